@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` and `make test`. Both build .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench bench-quick clean
+
+$(BIN)/braze: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(BIN)/braze
+
+demo: $(BIN)/braze
+	$(BIN)/braze demo
+
+test: $(BIN)/braze
+	$(BIN)/ruff check braze tests
+	$(BIN)/ruff format --check braze tests
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/braze
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/braze bench --out bench-out
+
+bench-quick: $(BIN)/braze
+	$(BIN)/braze bench --quick --out bench-out
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache .ruff_cache

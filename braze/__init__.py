@@ -1,0 +1,56 @@
+"""braze: a compiler for PyTorch models on the CPU that answers in milliseconds.
+
+    import braze
+    fast = braze.compile(model)   # returns at once; the first call compiles
+    out = fast(x)                 # bit-identical to model(x)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import config
+from .api import BrazeWarning, CompiledModule, compile
+from .debug import Report
+
+__all__ = ["compile", "explain", "config", "CompiledModule", "BrazeWarning", "Report"]
+__version__ = "0.1.0"
+
+
+def explain(fn: Any, *example_inputs: Any) -> Report:
+    """Compile `fn` for `example_inputs` and describe every stage (nothing is run).
+
+    The report holds the captured graph, the IR before and after each pass, the fusion groups,
+    which ops run natively and which through ATen (and why), the LLVM IR, optimised IR,
+    assembly, and milliseconds per stage.
+    """
+    import torch
+
+    from . import capture, debug
+    from .api import build_program
+
+    wrapper = fn if isinstance(fn, CompiledModule) else None
+    target = wrapper.fn if wrapper else fn
+    captured = capture.from_graph_module(target) if isinstance(target, torch.fx.GraphModule) else capture.trace(target)
+    with config.patch(debug_dir=""), _want_text():
+        prog = build_program(captured, tuple(example_inputs))
+    secs = debug.sections(prog, captured.graph)
+    text = "\n\n".join(f"=== {name} ===\n{body}" for name, body in secs.items())
+    report = Report(text)
+    report.program = prog
+    report.sections = secs
+    return report
+
+
+class _want_text:
+    """Ask codegen to keep the LLVM IR and assembly text (costs a few ms, so only here)."""
+
+    def __enter__(self) -> None:
+        from . import runtime
+
+        runtime.Program._want_text = True
+
+    def __exit__(self, *exc: object) -> None:
+        from . import runtime
+
+        runtime.Program._want_text = False

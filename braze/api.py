@@ -1,0 +1,237 @@
+"""The user-facing wrapper: `braze.compile(model)` and the pipeline it drives on a first call.
+
+    capture (FX) -> lower (IR) -> passes -> codegen (LLVM) -> runtime (Program)
+
+A wrapper keeps a bounded cache of Programs keyed by the signature of its arguments (shapes,
+strides, dtypes, devices, Python constants, training flag). A call whose signature is new
+compiles; a call that needs autograd, or that braze cannot compile, runs eagerly.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from . import capture, config, debug
+from .lowering import Unsupported, lower
+from .passes import run_passes
+from .runtime import MISS, Program
+
+_EAGER = "eager"  # cache entry for signatures braze runs eagerly
+
+# Bumped whenever any module gains or replaces a parameter, buffer or submodule, so a wrapper
+# sees `model.fc.weight = nn.Parameter(...)` and recompiles.
+_epoch = [0]
+
+
+def _bump(*_: Any) -> None:
+    _epoch[0] += 1
+
+
+for _hook in (
+    torch.nn.modules.module.register_module_parameter_registration_hook,
+    torch.nn.modules.module.register_module_buffer_registration_hook,
+    torch.nn.modules.module.register_module_module_registration_hook,
+):
+    _hook(_bump)
+
+
+class BrazeWarning(UserWarning):
+    pass
+
+
+class _Failed:
+    """A signature that did not compile; eager decides whether the inputs were bad."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def build_program(captured: capture.Captured, args: tuple[Any, ...]) -> Program:
+    """Run the pipeline after capture for one argument signature."""
+    t0 = time.perf_counter()
+    lowered = lower(captured, args)
+    t1 = time.perf_counter()
+    graph, log = run_passes(lowered.graph)
+    timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
+    prog = Program(lowered, graph, timings)
+    prog.pass_log = log
+    prog.lowered = lowered
+    prog.captured_graph = captured.graph
+    return prog
+
+
+def _signature(args: tuple[Any, ...]) -> tuple:
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((a.shape, a.stride(), a.dtype, a.device, type(a)))
+        else:
+            sig.append((type(a), a))
+    return tuple(sig)
+
+
+class CompiledModule:
+    """What `braze.compile` returns: call it like the model."""
+
+    def __init__(self, fn: Callable[..., Any], mode: str = "exact", cache_size: int | None = None) -> None:
+        if mode != "exact":
+            raise ValueError(f"braze: unknown mode {mode!r} (only 'exact' is available)")
+        self.fn = fn
+        self.mode = mode
+        self.cache_size = config.cache_size if cache_size is None else cache_size
+        self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._captured: capture.Captured | None = None
+        self._dynamo: Callable[..., Any] | None = None
+        self._epoch = _epoch[0]
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+        self._module = fn if isinstance(fn, torch.nn.Module) else None
+        self._params = list(self._module.parameters()) if self._module is not None else []
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = self._bind(args, kwargs)
+            if args is None:
+                return self._eager("keyword arguments that cannot be bound positionally", args, kwargs)
+        if self._dynamo is not None:
+            return self._dynamo(*args)
+        if torch.is_grad_enabled() and self._needs_grad(args):
+            return self._eager("gradients are needed (grad mode on and a tensor requires grad)", args, {})
+        try:
+            key = _signature(args) + (self._module.training if self._module is not None else None,)
+        except Exception:  # e.g. a sparse tensor has no strides
+            return self._eager("an argument braze cannot describe", args, {})
+        if self._epoch != _epoch[0]:
+            self._reset()
+        prog = self._cache.get(key)
+        if prog is None:
+            prog = self._compile(key, args)
+        if prog is _EAGER:
+            return self.fn(*args)
+        if isinstance(prog, _Failed):
+            # Bad inputs fail to compile the way they fail in eager: let eager raise its error.
+            out = self.fn(*args)
+            self._say(prog.why)
+            self._cache[key] = _EAGER
+            return out
+        out = prog(*args)
+        if out is MISS:  # a parameter was re-allocated (e.g. `.to()`): compile again
+            self._cache.pop(key, None)
+            return self(*args)
+        return out
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> tuple | None:
+        target = self.fn.forward if self._module is not None else self.fn
+        try:
+            bound = inspect.signature(target).bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in inspect.signature(target).parameters.values()):
+            return None
+        return tuple(bound.arguments.values())
+
+    def _needs_grad(self, args: tuple) -> bool:
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or any(
+            p.requires_grad for p in self._params
+        )
+
+    def _reset(self) -> None:
+        self._cache.clear()
+        self._captured = None
+        self._epoch = _epoch[0]
+        self._params = list(self._module.parameters()) if self._module is not None else []
+
+    def _say(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            warnings.warn(f"braze: running {capture._name(self.fn)} eagerly: {why}", BrazeWarning, stacklevel=4)
+
+    def _eager(self, why: str, args: Any, kwargs: dict) -> Any:
+        self._say(why)
+        return self.fn(*args, **kwargs)
+
+    def _compile(self, key: tuple, args: tuple) -> Any:
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+            entry = self._build(args)
+            if entry is None:
+                return self._dynamo or _EAGER
+            if isinstance(entry, _Failed):
+                return entry
+            self._cache[key] = entry
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return entry
+
+    def _build(self, args: tuple) -> Any:
+        t0 = time.perf_counter()
+        if self._captured is None:
+            try:
+                self._captured = capture.trace(self.fn)
+            except capture.CaptureError as e:
+                self._dynamo = _dynamo_fallback(self, str(e))
+                return None
+        capture_ms = (time.perf_counter() - t0) * 1e3
+        try:
+            prog = build_program(self._captured, args)
+        except Unsupported as e:
+            self._say(str(e))
+            return _EAGER
+        except Exception as e:
+            if config.debug >= 2:
+                raise
+            return _Failed(f"compilation failed ({type(e).__name__}: {e})")
+        prog.timings.insert(0, ("capture", capture_ms))
+        prog.total_ms = (time.perf_counter() - t0) * 1e3
+        debug.report_compile(prog, self.fn)
+        return prog
+
+    def programs(self) -> list[Program]:
+        """The compiled specialisations this wrapper holds, oldest first."""
+        return [p for p in self._cache.values() if isinstance(p, Program)]
+
+
+def _dynamo_fallback(wrapper: CompiledModule, why: str) -> Callable[..., Any] | None:
+    """Hand the model to TorchDynamo with braze as backend; None (eager) if that is impossible."""
+    try:
+        from .backend import braze_backend
+
+        compiled = torch.compile(wrapper.fn, backend=braze_backend, dynamic=False)
+    except Exception as e:  # dynamo unavailable on this platform/Python
+        wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
+        return None
+    if config.debug:
+        debug.log(f"braze: {why}; capturing with TorchDynamo instead")
+
+    def call(*args: Any) -> Any:
+        try:
+            return compiled(*args)
+        except Exception:
+            # Dynamo itself failing where eager works must not break the user: eager decides.
+            wrapper._say(f"{why}; TorchDynamo capture failed too")
+            wrapper._dynamo = wrapper.fn
+            return wrapper.fn(*args)
+
+    return call
+
+
+def compile(fn: Callable[..., Any] | None = None, *, mode: str = "exact", cache_size: int | None = None) -> Any:
+    """Wrap `fn` (an nn.Module or a function of tensors); nothing is compiled until its first call.
+
+    Works as `braze.compile(model)`, `@braze.compile` and `@braze.compile(mode=...)`.
+    """
+    if fn is None:
+        return lambda f: CompiledModule(f, mode=mode, cache_size=cache_size)
+    return CompiledModule(fn, mode=mode, cache_size=cache_size)

@@ -1,0 +1,298 @@
+"""Stage 4, codegen: native kernels of a planned graph become one LLVM module.
+
+Each run of consecutive native kernels (FUSED loops, GEMMs with their bias prologue and fused
+epilogue) is one function `void segN(ptr table)`; `table` holds the base address of every
+buffer the segment touches, filled by the runtime. Shapes and strides are constants, so LLVM
+sees fixed trip counts and vectorises the innermost loop. No fast-math flags: every float op is
+the IEEE op ATen performs, in the same order, so results are bit-identical to eager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import llvmlite.ir as ll
+
+from .ir import Node, Op, TensorMeta
+
+F32, I64, I32, I8, I1 = ll.FloatType(), ll.IntType(64), ll.IntType(32), ll.IntType(8), ll.IntType(1)
+PTR = ll.PointerType()
+VOID = ll.VoidType()
+
+
+@dataclass(frozen=True)
+class Access:
+    """Where a value's elements are: slot in the table + layout (element units)."""
+
+    slot: int
+    meta: TensorMeta
+
+
+@dataclass
+class Segment:
+    name: str
+    kernels: list[Node]
+
+
+class ModuleBuilder:
+    def __init__(self, name: str, slot_of: Callable[[str], Access], parallel_threshold: int) -> None:
+        self.module = ll.Module(name=name)
+        self.slot_of = slot_of
+        self.parallel_threshold = parallel_threshold
+        self.n_loops = 0
+        self._decls: dict[str, ll.Function] = {}
+
+    def declare(self, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
+        if name not in self._decls:
+            self._decls[name] = ll.Function(self.module, ll.FunctionType(ret, args), name)
+        return self._decls[name]
+
+    # --- segments ----------------------------------------------------------------------------
+    def segment(self, seg: Segment) -> None:
+        fn = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), seg.name)
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
+        table = fn.args[0]
+        for k in seg.kernels:
+            if k.op is Op.GEMM:
+                self._gemm(b, table, k)
+            else:
+                self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
+        b.ret_void()
+
+    # --- elementwise loops -------------------------------------------------------------------
+    def _loop_kernel(self, b: ll.IRBuilder, table: ll.Value, shape_meta: TensorMeta, out: Access,
+                     body: tuple[Node, ...], override: dict[str, Access]) -> None:
+        """Emit `body` over `shape_meta.shape`, storing the last value at `out`."""
+        if shape_meta.numel == 0:
+            return
+        operands = {i: override.get(i) or self.slot_of(i) for n in body for i in n.value_inputs()}
+        operands = {k: v for k, v in operands.items() if k not in {n.name for n in body}}
+        dims = _loop_dims(shape_meta.shape, [out.meta] + [a.meta for a in operands.values()], out.meta)
+        fname = f"loop{self.n_loops}"
+        self.n_loops += 1
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), fname)
+        kern.linkage = "internal"
+        kb = ll.IRBuilder(kern.append_basic_block("entry"))
+        tbl, lo, hi = kern.args
+        bases = {k: kb.load(kb.gep(tbl, [I64(a.slot)], source_etype=PTR), typ=PTR) for k, a in operands.items()}
+        out_base = kb.load(kb.gep(tbl, [I64(out.slot)], source_etype=PTR), typ=PTR)
+        accesses = {k: (bases[k], _bstrides(a.meta, shape_meta.shape), a.meta.offset) for k, a in operands.items()}
+        accesses["__out__"] = (out_base, out.meta.stride, out.meta.offset)
+
+        def at(kb: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
+            base, strides, off = accesses[name]
+            lin = I64(off)
+            for d, i in zip(dims, idx):
+                st = strides[d.axis]
+                if st:
+                    lin = kb.add(lin, kb.mul(i, I64(st)))
+            return kb.gep(base, [lin], source_etype=F32 if name == "__out__" or _dtype_of(operands, name) else I8)
+
+        def inner(kb: ll.IRBuilder, idx: list[ll.Value]) -> None:
+            vals: dict[str, ll.Value] = {}
+
+            def get(x: object) -> ll.Value:
+                if isinstance(x, str):
+                    if x not in vals:
+                        ety = F32 if _dtype_of(operands, x) else I8
+                        vals[x] = kb.load(at(kb, x, idx), typ=ety)
+                    return vals[x]
+                return F32(x)
+
+            for n in body:
+                vals[n.name] = _scalar_op(kb, n, get)
+            kb.store(vals[body[-1].name], at(kb, "__out__", idx))
+
+        _nest(kb, dims, lo, hi, inner)
+        kb.ret_void()
+        total = dims[0].size if dims else 1
+        if shape_meta.numel >= self.parallel_threshold and total > 1:
+            self._parallel_call(b, table, kern, total)
+        else:
+            b.call(kern, [table, I64(0), I64(total)])
+
+    def _parallel_call(self, b: ll.IRBuilder, table: ll.Value, kern: ll.Function, total: int) -> None:
+        """Split the outer loop across the OpenMP team ATen uses (torch.get_num_threads())."""
+        wrap = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), kern.name + "_omp")
+        wrap.linkage = "internal"
+        wb = ll.IRBuilder(wrap.append_basic_block("entry"))
+        tid = wb.sext(wb.call(self.declare("omp_get_thread_num", I32, []), []), I64)
+        nth = wb.sext(wb.call(self.declare("omp_get_num_threads", I32, []), []), I64)
+        chunk = wb.sdiv(wb.add(I64(total), wb.sub(nth, I64(1))), nth)
+        lo = wb.mul(tid, chunk)
+        hi = wb.select(wb.icmp_signed("<", wb.add(lo, chunk), I64(total)), wb.add(lo, chunk), I64(total))
+        with wb.if_then(wb.icmp_signed("<", lo, hi)):
+            wb.call(kern, [wrap.args[0], lo, hi])
+        wb.ret_void()
+        gomp = self.declare("GOMP_parallel", VOID, [PTR, PTR, I32, I32])
+        b.call(gomp, [wrap, table, I32(0), I32(0)])
+
+    # --- GEMM --------------------------------------------------------------------------------
+    def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        acc_name = k.attrs.get("acc", k.name)
+        acc_meta = k.attrs.get("acc_meta", k.meta)
+        c = Access(self.slot_of(k.name).slot, acc_meta)
+        m1, m2, bias = k.inputs[:3]
+        if acc_meta.numel == 0:
+            return
+        if bias is not None:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
+            copy = Node(acc_name, Op.COPY, (bias,), acc_meta)
+            self._loop_kernel(b, table, acc_meta, c, (copy,), {})
+        blas = k.attrs["blas"]
+        if blas["k"] > 0:
+            self._sgemm_call(b, table, blas, self.slot_of(m1), self.slot_of(m2), c, k.attrs["beta"])
+        elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
+            zero = Node(acc_name, Op.MUL, (0.0, 0.0), acc_meta)
+            self._loop_kernel(b, table, acc_meta, c, (zero,), {})
+        if k.body:
+            self._loop_kernel(b, table, k.meta, c, k.body, {acc_name: c})
+
+    def _sgemm_call(self, b: ll.IRBuilder, table: ll.Value, blas: dict, m1: Access, m2: Access,
+                    c: Access, beta: float) -> None:
+        a, bm = (m2, m1) if blas["swap"] else (m1, m2)
+
+        def ptr_of(acc: Access) -> ll.Value:
+            base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
+            return b.gep(base, [I64(acc.meta.offset)], source_etype=F32)
+
+        def ref(ty: ll.Type, v: ll.Constant) -> ll.Value:
+            slot = b.alloca(ty)
+            b.store(v, slot)
+            return slot
+
+        t = lambda flag: I8(ord("T" if flag else "N"))  # noqa: E731
+        args = [
+            ref(I8, t(blas["ta"])), ref(I8, t(blas["tb"])),
+            ref(I32, I32(blas["m"])), ref(I32, I32(blas["n"])), ref(I32, I32(blas["k"])),
+            ref(F32, F32(1.0)), ptr_of(a), ref(I32, I32(blas["lda"])),
+            ptr_of(bm), ref(I32, I32(blas["ldb"])),
+            ref(F32, F32(beta)), ptr_of(c), ref(I32, I32(blas["ldc"])),
+        ]
+        b.call(self.declare("sgemm_", VOID, [PTR] * 13), args)
+
+
+def _dtype_of(operands: dict[str, Access], name: str) -> bool:
+    """True when the value is float32 (the only other dtype loops read is bool)."""
+    a = operands.get(name)
+    return a is None or a.meta.dtype.is_floating_point
+
+
+def _bstrides(meta: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of `meta` broadcast to `shape` (0 on broadcast dimensions)."""
+    pad = len(shape) - len(meta.shape)
+    out = []
+    for d, size in enumerate(shape):
+        j = d - pad
+        out.append(0 if j < 0 or (meta.shape[j] == 1 and size != 1) else meta.stride[j])
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Dim:
+    size: int
+    axis: int  # innermost original axis folded into this loop; its strides step the index
+
+
+def _loop_dims(shape: tuple[int, ...], metas: list[TensorMeta], out: TensorMeta) -> list[_Dim]:
+    """Loop order (outer to inner) following the output's strides; merge dims every access
+    walks contiguously, so a dense tensor is one flat loop."""
+    strides = [_bstrides(m, shape) for m in metas]
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -out.stride[d])
+    dims: list[_Dim] = []
+    for d in order:
+        if dims and all(s[dims[-1].axis] == s[d] * shape[d] for s in strides):
+            dims[-1] = _Dim(dims[-1].size * shape[d], d)  # every access walks both as one run
+            continue
+        dims.append(_Dim(shape[d], d))
+    return dims
+
+
+def _nest(b: ll.IRBuilder, dims: list[_Dim], lo: ll.Value, hi: ll.Value,
+          inner: Callable[[ll.IRBuilder, list[ll.Value]], None]) -> None:
+    """Loop nest over `dims`; the outermost runs [lo, hi). Merged dims use one linear index."""
+    if not dims:
+        inner(b, [])
+        return
+    idx: list[ll.Value] = []
+
+    def level(depth: int) -> None:
+        start, stop = (lo, hi) if depth == 0 else (I64(0), I64(dims[depth].size))
+        with _for(b, start, stop) as i:
+            idx.append(i)
+            if depth + 1 < len(dims):
+                level(depth + 1)
+            else:
+                inner(b, idx)
+            idx.pop()
+
+    level(0)
+
+
+class _for:
+    """`with _for(b, lo, hi) as i:` emits a counted loop (lo < hi is checked first)."""
+
+    def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value) -> None:
+        self.b, self.lo, self.hi = b, lo, hi
+
+    def __enter__(self) -> ll.Value:
+        b = self.b
+        fn = b.function
+        self.pre = b.block
+        self.head = fn.append_basic_block("loop")
+        self.exit = fn.append_basic_block("after")
+        b.cbranch(b.icmp_signed("<", self.lo, self.hi), self.head, self.exit)
+        b.position_at_end(self.head)
+        self.i = b.phi(I64)
+        self.i.add_incoming(self.lo, self.pre)
+        return self.i
+
+    def __exit__(self, *exc: object) -> None:
+        b = self.b
+        nxt = b.add(self.i, I64(1))
+        self.i.add_incoming(nxt, b.block)
+        b.cbranch(b.icmp_signed("<", nxt, self.hi), self.head, self.exit)
+        b.position_at_end(self.exit)
+
+
+def _scalar_op(b: ll.IRBuilder, n: Node, get: Callable[[object], ll.Value]) -> ll.Value:
+    """One element of an elementwise node, with ATen's exact semantics (NaN and signed zero)."""
+    x = [get(i) for i in n.inputs]
+    op = n.op
+    if op is Op.COPY:
+        return x[0]
+    if op in _ARITH:
+        return _ARITH[op](b, x[0], x[1])
+    if op is Op.NEG:
+        return b.fneg(x[0])
+    if op is Op.ABS:
+        return b.call(b.module.declare_intrinsic("llvm.fabs", [F32]), [x[0]])
+    if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0
+        return b.select(b.fcmp_ordered("<", x[0], F32(0.0)), F32(0.0), x[0])
+    if op is Op.LEAKY_RELU:
+        return b.select(b.fcmp_ordered(">", x[0], F32(0.0)), x[0], b.fmul(x[0], F32(n.attrs["slope"])))
+    if op is Op.CLAMP:  # min_ps(hi, max_ps(lo, x)): NaN passes through
+        v = x[0]
+        if n.attrs["lo"] is not None:
+            lo = F32(n.attrs["lo"])
+            v = b.select(b.fcmp_ordered(">", lo, v), lo, v)
+        if n.attrs["hi"] is not None:
+            hi = F32(n.attrs["hi"])
+            v = b.select(b.fcmp_ordered("<", hi, v), hi, v)
+        return v
+    if op in (Op.MAXIMUM, Op.MINIMUM):  # NaN if either is NaN, else max_ps/min_ps
+        cmp = ">" if op is Op.MAXIMUM else "<"
+        pick = b.select(b.fcmp_ordered(cmp, x[0], x[1]), x[0], x[1])
+        nan = b.fcmp_unordered("uno", x[0], x[1])
+        return b.select(nan, F32(float("nan")), pick)
+    if op is Op.WHERE:
+        return b.select(b.icmp_unsigned("!=", x[0], I8(0)), x[1], x[2])
+    raise NotImplementedError(op)
+
+
+_ARITH = {
+    Op.ADD: lambda b, x, y: b.fadd(x, y),
+    Op.SUB: lambda b, x, y: b.fsub(x, y),
+    Op.MUL: lambda b, x, y: b.fmul(x, y),
+    Op.DIV: lambda b, x, y: b.fdiv(x, y),
+}

@@ -1,0 +1,49 @@
+"""Every knob braze has, with its environment default. See docs/env_vars.md.
+
+Tests change knobs with ``config.patch(debug=3)``; nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+# 0 quiet; 1 timings and fallbacks; 2 + captured graph; 3 + IR after each pass; 4 + LLVM IR;
+# 5 + optimised LLVM IR; 6 + assembly.
+debug: int = _env_int("BRAZE_DEBUG", 0)
+# Where debug output goes as files (one folder per compiled program); empty prints to stderr.
+debug_dir: str = os.environ.get("BRAZE_DEBUG_DIR", "")
+# Compiled specialisations (input shapes/strides/dtypes) kept per wrapper before the oldest goes.
+cache_size: int = _env_int("BRAZE_CACHE_SIZE", 8)
+# Run ir.verify after every pass (always on in tests and when debug >= 1).
+verify: bool = bool(_env_int("BRAZE_VERIFY", 0))
+# LLVM optimisation level for generated kernels.
+opt_level: int = _env_int("BRAZE_OPT", 3)
+# Elementwise loops with at least this many elements run on torch.get_num_threads() threads
+# (ATen's own grain size, so braze splits work where eager does).
+parallel_threshold: int = _env_int("BRAZE_PARALLEL_THRESHOLD", 32768)
+# Set to 1 to skip native code entirely (every op goes through ATen); a debugging aid.
+disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
+
+_KNOBS = ("debug", "debug_dir", "cache_size", "verify", "opt_level", "parallel_threshold", "disable_native")
+
+
+@contextlib.contextmanager
+def patch(**changes: object) -> Iterator[None]:
+    """Temporarily set knobs, e.g. ``with config.patch(debug=3): ...``."""
+    g = globals()
+    unknown = set(changes) - set(_KNOBS)
+    if unknown:
+        raise AttributeError(f"unknown braze config knob(s): {sorted(unknown)}")
+    saved = {k: g[k] for k in changes}
+    g.update(changes)
+    try:
+        yield
+    finally:
+        g.update(saved)

@@ -1,0 +1,98 @@
+"""What braze did, in words: `braze.explain` and the BRAZE_DEBUG printouts.
+
+Levels (config.debug): 1 timings and ATen fallbacks; 2 + the captured FX graph and lowered IR;
+3 + IR after each pass; 4 + LLVM IR; 5 + optimised LLVM IR; 6 + assembly.
+With BRAZE_DEBUG_DIR set, the same texts go to files, one folder per program.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from . import config
+from .ir import Op
+
+if TYPE_CHECKING:
+    from .runtime import Program
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+class Report(str):
+    """The text of `braze.explain`; also exposes the pieces as attributes."""
+
+    program: Any
+    sections: dict[str, str]
+
+
+def _timings(prog: Program) -> str:
+    rows = [f"  {name:<22}{ms:9.3f} ms" for name, ms in prog.timings]
+    total = getattr(prog, "total_ms", sum(ms for _, ms in prog.timings))
+    return "\n".join(rows + [f"  {'total':<22}{total:9.3f} ms"])
+
+
+def _fusion(prog: Program) -> str:
+    lines = []
+    for n in prog.graph.nodes:
+        if n.op is Op.FUSED:
+            lines.append(f"  {n.name}: loop over {list(n.meta.shape)} = " + " -> ".join(b.op.value for b in n.body))
+        elif n.op is Op.GEMM:
+            epi = " -> ".join(b.op.value for b in n.body)
+            bias = "bias + " if n.inputs[2] is not None else ""
+            lines.append(f"  {n.name}: sgemm_ {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else ""))
+    return "\n".join(lines) or "  (no native kernels)"
+
+
+def _placement(prog: Program) -> str:
+    native = [n.name for s in prog.segments for n in s.kernels]
+    lines = [f"  native: {len(native)} kernel(s) in {len(prog.segments)} LLVM function(s)"]
+    for label, why in prog.externs:
+        lines.append(f"  ATen:   {label}  ({why})")
+    return "\n".join(lines)
+
+
+def sections(prog: Program, captured_graph: Any) -> dict[str, str]:
+    out = {
+        "captured graph (torch.fx)": str(captured_graph),
+        "IR after lowering": str(prog.lowered.graph),
+    }
+    for rec in prog.pass_log.records:
+        out[f"IR after {rec.name}"] = str(rec.graph)
+    out["fusion groups"] = _fusion(prog)
+    out["native vs ATen"] = _placement(prog)
+    out["LLVM IR"] = prog.llvm_ir or "(no native code)"
+    out["optimised LLVM IR"] = prog.optimized_ir or "(no native code)"
+    out["assembly"] = prog.asm or "(no native code)"
+    out["compile time per stage"] = _timings(prog)
+    return out
+
+
+_LEVEL = {
+    "compile time per stage": 1, "native vs ATen": 1, "fusion groups": 1,
+    "captured graph (torch.fx)": 2, "IR after lowering": 2, "LLVM IR": 4,
+    "optimised LLVM IR": 5, "assembly": 6,
+}
+
+
+def report_compile(prog: Program, fn: Any) -> None:
+    if not config.debug and not config.debug_dir:
+        return
+    from .capture import _name
+
+    secs = sections(prog, getattr(prog, "captured_graph", ""))
+    title = f"braze: compiled {_name(fn)} in {prog.total_ms:.2f} ms"
+    if config.debug_dir:
+        folder = os.path.join(config.debug_dir, f"program_{id(prog):x}")
+        os.makedirs(folder, exist_ok=True)
+        for name, text in secs.items():
+            with open(os.path.join(folder, name.replace(" ", "_").replace("/", "_") + ".txt"), "w") as f:
+                f.write(text + "\n")
+    if config.debug:
+        log(title)
+        for name, text in secs.items():
+            if _LEVEL.get(name, 3) <= config.debug:
+                log(f"--- {name} ---\n{text}")

@@ -1,0 +1,224 @@
+"""braze's IR: one flat, immutable, topologically ordered list of nodes.
+
+Every tensor value carries the exact shape, strides, storage offset and dtype that eager PyTorch
+gives it (found by running the op on meta tensors during lowering), so native code can write
+outputs with eager's layout and views are free: a VIEW is only new metadata over its base.
+
+After fusion a FUSED node (and a GEMM with an epilogue) holds a `body`: elementwise nodes that
+run in one loop. Body nodes name values defined earlier in the body or operands of the owner.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Op(enum.Enum):
+    INPUT = "input"  # a user argument, read from the call
+    PARAM = "param"  # a parameter or buffer of the model, read at each call (never copied)
+    VIEW = "view"  # alias of inputs[0]: new shape/stride/offset over the same memory
+    COPY = "copy"  # identity into a fresh buffer (contiguous, reshape of a non-view, ...)
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"
+    NEG = "neg"
+    ABS = "abs"
+    RELU = "relu"
+    LEAKY_RELU = "leaky_relu"  # attrs: slope
+    CLAMP = "clamp"  # attrs: lo, hi (either may be None)
+    MAXIMUM = "maximum"
+    MINIMUM = "minimum"
+    WHERE = "where"  # inputs: cond (bool), a, b
+    GEMM = "gemm"  # out = beta * bias + a @ b through BLAS sgemm_, as ATen's addmm/mm
+    FUSED = "fused"  # elementwise body computed in one loop nest
+    EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
+
+
+UNARY = frozenset({Op.NEG, Op.ABS, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
+ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
+# Ops whose value is computed by native code into its own buffer.
+KERNELS = frozenset({Op.FUSED, Op.GEMM}) | ELEMENTWISE
+
+# An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
+Operand = str | float | None
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def span(self) -> int:
+        """Elements of storage the view reaches, from offset 0 (what a buffer must hold)."""
+        if self.numel == 0:
+            return self.offset
+        return self.offset + 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        dims = ",".join(map(str, self.shape))
+        text = f"{dt}[{dims}]"
+        if self.stride != contiguous_strides(self.shape):
+            text += "(" + ",".join(map(str, self.stride)) + ")"
+        return text + (f"+{self.offset}" if self.offset else "")
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: Op
+    inputs: tuple[Operand, ...]
+    meta: TensorMeta | None  # None for non-tensor values (only EXTERN makes them)
+    attrs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def value_inputs(self) -> tuple[str, ...]:
+        return tuple(i for i in self.inputs if isinstance(i, str))
+
+    @property
+    def body(self) -> tuple[Node, ...]:
+        return self.attrs.get("body", ())
+
+    def __str__(self) -> str:
+        return format_node(self, "")
+
+
+@dataclass(frozen=True)
+class Graph:
+    inputs: tuple[str, ...]  # INPUT node names, in call order
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]
+
+    def node_map(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    def users(self) -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.value_inputs():
+                out[i].append(n)
+        return out
+
+    def count(self, op: Op) -> int:
+        return sum(n.op is op for n in self.nodes)
+
+    def __str__(self) -> str:
+        lines = [f"graph({', '.join(self.inputs)}):"]
+        lines += [format_node(n, "  ") for n in self.nodes]
+        lines.append(f"  return {', '.join(self.outputs)}")
+        return "\n".join(lines)
+
+
+def _fmt_operand(x: Operand) -> str:
+    return "None" if x is None else (x if isinstance(x, str) else repr(x))
+
+
+def _fmt_attr(v: Any) -> str:
+    if callable(v):
+        return getattr(v, "__qualname__", None) or getattr(v, "__name__", None) or type(v).__name__
+    return repr(v)
+
+
+def format_node(n: Node, indent: str) -> str:
+    args = ", ".join(_fmt_operand(i) for i in n.inputs)
+    shown = {k: v for k, v in n.attrs.items() if k not in ("body", "tensor", "args", "kwargs")}
+    extra = " ".join(f"{k}={_fmt_attr(v)}" for k, v in shown.items())
+    meta = str(n.meta) if n.meta is not None else "object"
+    text = f"{indent}{n.name}: {meta} = {n.op.value}({args})" + (f"  {extra}" if extra else "")
+    for b in n.body:
+        text += "\n" + format_node(b, indent + "    | ")
+    return text
+
+
+class VerifyError(AssertionError):
+    pass
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise VerifyError(msg)
+
+
+def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy broadcasting (torch.broadcast_shapes would import sympy on first use)."""
+    out: list[int] = []
+    for dims in zip(*(((1,) * (max(map(len, shapes)) - len(s)) + tuple(s)) for s in shapes)):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise RuntimeError(f"shapes {shapes} cannot be broadcast together")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _verify_elementwise(n: Node, metas: dict[str, TensorMeta | None]) -> None:
+    _check(n.meta is not None, f"{n.name}: elementwise node without meta")
+    shapes = [metas[i].shape for i in n.value_inputs() if metas.get(i) is not None]
+    if shapes:
+        _check(
+            broadcast_shape(*shapes, n.meta.shape) == n.meta.shape,
+            f"{n.name}: inputs {shapes} do not broadcast to {n.meta.shape}",
+        )
+
+
+def _verify_body(owner: Node, metas: dict[str, TensorMeta | None]) -> None:
+    local = dict(metas)
+    if owner.op is Op.GEMM:
+        local[owner.attrs["acc"]] = owner.attrs["acc_meta"]
+    for b in owner.body:
+        _check(b.op in ELEMENTWISE, f"{owner.name}: body node {b.name} is {b.op}, not elementwise")
+        for i in b.value_inputs():
+            _check(i in local, f"{owner.name}: body node {b.name} uses unbound {i}")
+        _check(b.name not in local, f"{owner.name}: body value {b.name} bound twice")
+        _verify_elementwise(b, local)
+        _check(b.meta.shape == owner.meta.shape, f"{owner.name}: body {b.name} shape differs")
+        local[b.name] = b.meta
+    _check(owner.body[-1].name == owner.name, f"{owner.name}: body must end in the owner's value")
+
+
+def verify(graph: Graph) -> Graph:
+    """Check single assignment, defined-before-use, and consistent shapes; return the graph."""
+    metas: dict[str, TensorMeta | None] = {}
+    for n in graph.nodes:
+        _check(n.name not in metas, f"{n.name} is assigned twice")
+        for i in n.value_inputs():
+            _check(i in metas, f"{n.name} uses {i} before it is defined")
+        if n.op in ELEMENTWISE:
+            _verify_elementwise(n, metas)
+        if n.body:
+            _verify_body(n, metas)
+        if n.op in (Op.VIEW, Op.COPY):
+            src = metas[n.inputs[0]]
+            _check(src is not None and n.meta.numel == src.numel, f"{n.name}: view changes numel")
+        if n.op is Op.INPUT:
+            _check(n.name in graph.inputs, f"{n.name} is an input missing from graph.inputs")
+        metas[n.name] = n.meta
+    for o in graph.outputs:
+        _check(o in metas, f"output {o} is not defined")
+    return graph

@@ -1,0 +1,618 @@
+"""Stage 2, lowering: an FX graph plus example inputs becomes a braze IR graph.
+
+Each FX node is first run on meta tensors, which gives eager's exact output layout and raises
+eager's errors for bad shapes. Then the lowering registry (one row per op) turns it into IR;
+an op without a row, or with arguments a row cannot do bit-exactly, becomes an EXTERN node that
+calls the same torch function at run time. In-place ops are rewritten to functional ones when
+the value they change is braze's own intermediate; changing an input or a view is `Unsupported`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+from . import config
+from .capture import Captured
+from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape, contiguous_strides
+
+
+class Unsupported(Exception):
+    """The graph as a whole cannot be compiled; braze runs it eagerly and says why."""
+
+
+class NotNative(Exception):
+    """This one op runs through ATen; the message says why."""
+
+
+@dataclass
+class Sym:
+    """A value during lowering: its IR name and its meta tensor (or a structure of them)."""
+
+    name: str
+    meta: Any
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.meta, torch.Tensor)
+
+
+@dataclass
+class Lowered:
+    graph: Graph
+    params: list[torch.Tensor]  # PARAM tensors, in PARAM-node order
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]  # per output leaf: an IR value name (str) or a constant ("const", x)
+    externs: list[tuple[str, str]]  # (op, why) for every EXTERN node
+    n_args: int  # positional arguments the program takes
+
+
+def to_meta(t: torch.Tensor) -> torch.Tensor:
+    m = TensorMeta.of(t)
+    base = torch.empty(max(m.span, 1), dtype=t.dtype, device="meta")
+    return base.as_strided(m.shape, m.stride, m.offset)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+LOWERINGS: dict[Any, Callable[..., Sym]] = {}
+
+
+def register(*keys: Any) -> Callable[[Callable[..., Sym]], Callable[..., Sym]]:
+    def deco(fn: Callable[..., Sym]) -> Callable[..., Sym]:
+        for k in keys:
+            LOWERINGS[k] = fn
+        return fn
+
+    return deco
+
+
+class Lowerer:
+    def __init__(self, captured: Captured) -> None:
+        self.captured = captured
+        self.nodes: list[Node] = []
+        self.inputs: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.param_syms: dict[int, Sym] = {}
+        self.base: dict[str, str] = {}  # view (or in-place extern result) -> the value owning memory
+        self.viewed: set[str] = set()
+        self.ops: dict[str, Op] = {}
+        self.externs: list[tuple[str, str]] = []
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.real: dict[str, Any] = {}  # example value of each Sym (see example())
+
+    # --- building IR -------------------------------------------------------------------------
+    def emit(self, op: Op, inputs: tuple[Operand, ...], meta: Any, prefix: str = "v", **attrs: Any) -> Sym:
+        name = f"{prefix}{len(self.nodes)}"
+        tmeta = TensorMeta.of(meta) if isinstance(meta, torch.Tensor) else None
+        self.nodes.append(Node(name, op, inputs, tmeta, attrs))
+        self.ops[name] = op
+        return Sym(name, meta)
+
+    def param(self, t: torch.Tensor, label: str) -> Sym:
+        if id(t) not in self.param_syms:
+            self.param_syms[id(t)] = self.emit(Op.PARAM, (), to_meta(t), "p", label=label, tensor=t)
+            self.params.append(t)
+        return self.param_syms[id(t)]
+
+    def owner(self, name: str) -> str:
+        return self.base.get(name, name)
+
+    def view(self, src: Sym, fn: Callable[[torch.Tensor], torch.Tensor]) -> Sym:
+        """`fn(src)` for a view-like fn, as IR: the same value, a VIEW, or a copy then a VIEW.
+
+        `fn` runs on src's example tensor; whether the result shares its memory decides.
+        """
+        example = self.example(src)
+        res = fn(example)
+        if res is example:
+            return src
+        if _shares_storage(res, example):
+            base = self.owner(src.name)
+            self.viewed.add(base)
+            sym = self.emit(Op.VIEW, (base,), to_meta(res))
+            self.base[sym.name] = base
+        elif tuple(res.shape) != tuple(example.shape):
+            # reshape of a layout no view can express: ATen copies to contiguous, then views.
+            copied = self.emit(Op.COPY, (src.name,), torch.empty(example.shape, dtype=res.dtype, device="meta"))
+            return self.view(copied, lambda t: t.view(res.shape))
+        else:
+            sym = self.emit(Op.COPY, (src.name,), to_meta(res))
+        self.real[sym.name] = res
+        return sym
+
+    def example(self, s: Sym) -> Any:
+        """A real tensor laid out like `s` (zeros), or the real result an EXTERN produced."""
+        if s.name not in self.real:
+            if not s.is_tensor:
+                raise Unsupported(f"{s.name} has no example value")
+            m = s.meta
+            flat = torch.zeros(max(TensorMeta.of(m).span, 1), dtype=m.dtype)
+            self.real[s.name] = flat.as_strided(m.shape, m.stride(), m.storage_offset())
+        return self.real[s.name]
+
+    def elementwise(self, op: Op, operands: tuple[Any, ...], out: Any, **attrs: Any) -> Sym:
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+            raise NotNative(f"result dtype {getattr(out, 'dtype', type(out))} is not float32")
+        ir_ops: list[Operand] = []
+        for i, a in enumerate(operands):
+            ir_ops.append(self._operand(a, allow_bool=(op is Op.WHERE and i == 0)))
+        return self.emit(op, tuple(ir_ops), out, **attrs)
+
+    def _operand(self, a: Any, allow_bool: bool) -> Operand:
+        if isinstance(a, Sym):
+            want = torch.bool if allow_bool else torch.float32
+            if not a.is_tensor or a.meta.dtype != want:
+                raise NotNative(f"operand dtype {getattr(a.meta, 'dtype', '?')} is not {want}")
+            return a.name
+        if isinstance(a, (bool, int, float)) and not allow_bool:
+            # ATen casts a Python scalar to the op's float32 compute type before using it.
+            return float(torch.tensor(float(a), dtype=torch.float32).item())
+        raise NotNative(f"operand of type {type(a).__name__}")
+
+    # --- running FX nodes --------------------------------------------------------------------
+    def run(self, example_args: tuple[Any, ...]) -> Lowered:
+        args = iter(enumerate(example_args))
+        out_node = None
+        for node in self.captured.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self._placeholder(node, *next(args))
+            elif node.op == "get_attr":
+                self.env[node] = self._get_attr(node.target)
+            elif node.op == "output":
+                out_node = node
+            else:
+                self.env[node] = self._call(node)
+        return self._finish(out_node, len(example_args))
+
+    def _placeholder(self, node: torch.fx.Node, index: int, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value  # specialised: the runtime guards the exact value
+        sym = self.emit(Op.INPUT, (), to_meta(value), "x", label=node.name, index=index)
+        self.inputs.append(sym.name)
+        return sym
+
+    def _get_attr(self, target: str) -> Any:
+        obj: Any = self.captured.root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return self.param(obj, target) if isinstance(obj, torch.Tensor) else obj
+
+    def _load(self, a: Any) -> Any:
+        return pytree.tree_map(lambda v: self.env[v] if isinstance(v, torch.fx.Node) else v, a)
+
+    def _call(self, node: torch.fx.Node) -> Any:
+        args, kwargs = self._load(node.args), self._load(node.kwargs)
+        if node.op == "call_module":
+            mod = self.captured.root.get_submodule(node.target)
+            return self.call(mod, args, kwargs, key=type(mod), label=node.target)
+        if node.op == "call_method":
+            fn = getattr(torch.Tensor, node.target)
+            return self.call(fn, args, kwargs, key=node.target, label=f".{node.target}")
+        return self.call(node.target, args, kwargs, key=node.target, label=_fn_name(node.target))
+
+    def call(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str) -> Any:
+        """Lower one torch-level call: fold constants, else a native row, else EXTERN."""
+        rule = META_RULES.get(key)
+        out = rule(fn, _metas(args), _metas(kwargs)) if rule is not None else None
+        mutated: list[Sym] = []
+        aliased = out_real = None
+        if out is None:
+            out_real, mutated, aliased = self._example_call(fn, args, kwargs)
+            out = pytree.tree_map(lambda t: to_meta(t) if isinstance(t, torch.Tensor) else t, out_real)
+        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
+            if not isinstance(fn, torch.nn.Module):
+                return out  # sizes, dtypes, ...: constants of this specialisation
+        result = self._native_or_extern(fn, args, kwargs, key, label, out)
+        if isinstance(result, Sym) and out_real is not None:
+            self.real.setdefault(result.name, out_real)
+        if aliased is not None and isinstance(result, Sym) and self.ops[result.name] is Op.EXTERN:
+            owner = self.owner(aliased)
+            self.base[result.name] = owner
+            self.viewed.add(owner)
+            self.nodes[-1].attrs["alias_of"] = owner
+        for m in mutated:
+            self._functionalize(m, result, label)
+        return result
+
+    def _example_call(self, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Sym], str | None]:
+        """Run the op on example tensors to learn eager's output layout, errors and aliasing.
+
+        Not meta tensors: many meta kernels are Python, and the first of them imports sympy
+        (about 2 s here), while the first call must cost milliseconds.
+        """
+        syms = [s for s in pytree.tree_leaves((args, kwargs)) if isinstance(s, Sym)]
+        real = {s.name: self.example(s) for s in syms}
+        versions = {n: t._version for n, t in real.items() if isinstance(t, torch.Tensor)}
+        swap = lambda v: real[v.name] if isinstance(v, Sym) else v  # noqa: E731
+        out_real = fn(*pytree.tree_map(swap, args), **pytree.tree_map(swap, kwargs))
+        mutated = [s for s in syms if s.name in versions and real[s.name]._version != versions[s.name]]
+        return out_real, mutated, _aliased(out_real, real)
+
+    def _native_or_extern(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str, out: Any) -> Any:
+        why = "no native lowering"
+        if key in LOWERINGS and not config.disable_native:
+            try:
+                return LOWERINGS[key](self, fn, args, kwargs, out)
+            except NotNative as e:
+                why = str(e)
+        self.externs.append((label, why))
+        inputs = tuple(dict.fromkeys(s.name for s in pytree.tree_leaves((args, kwargs)) if isinstance(s, Sym)))
+        return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
+
+    def _functionalize(self, mutated: Sym, result: Any, label: str) -> None:
+        if self.ops[mutated.name] in (Op.INPUT, Op.PARAM) or mutated.name in self.base:
+            raise Unsupported(f"{label} changes a model input, parameter or view in place")
+        if mutated.name in self.viewed:
+            raise Unsupported(f"{label} changes in place a value that has views")
+        if not isinstance(result, Sym):
+            raise Unsupported(f"{label} changes a value in place and returns no tensor")
+        for k, v in self.env.items():
+            if v is mutated:
+                self.env[k] = result
+
+    def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
+        leaves, spec = pytree.tree_flatten(self._load(out_node.args[0]))
+        out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
+        outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
+        graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
+        return Lowered(graph, self.params, spec, out_leaves, self.externs, n_args)
+
+
+def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:
+    """Lower `captured` for inputs laid out like `example_args`."""
+    # fork_rng: example runs of random ops must not move the generator eager will use.
+    with torch.inference_mode(False), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        return Lowerer(captured).run(example_args)
+
+
+def _metas(tree: Any) -> Any:
+    return pytree.tree_map(lambda v: v.meta if isinstance(v, Sym) else v, tree)
+
+
+def _aliased(out: Any, inputs: dict[str, Any]) -> str | None:
+    """The input (by name) whose memory some tensor of `out` shares, if any."""
+    storages = {}
+    for name, value in inputs.items():
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                storages.setdefault(t.untyped_storage()._cdata, name)
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages:
+            return storages[t.untyped_storage()._cdata]
+    return None
+
+
+def _fn_name(fn: Any) -> str:
+    mod = getattr(fn, "__module__", "") or ""
+    return f"{mod.replace('torch.nn.functional', 'F')}.{getattr(fn, '__name__', fn)}".lstrip(".")
+
+
+
+
+# --- the registry ------------------------------------------------------------------------------
+# A row takes (lowerer, fn, args, kwargs, meta result) and returns a Sym, or raises NotNative.
+
+
+def _no_out(kwargs: dict) -> None:
+    if kwargs.get("out") is not None:
+        raise NotNative("out= argument")
+
+
+def _binary(op: Op) -> Callable[..., Sym]:
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        _no_out(kwargs)
+        if kwargs.get("alpha", 1) != 1:
+            raise NotNative("alpha != 1 (ATen fuses it into an FMA)")
+        if kwargs.get("rounding_mode") is not None:
+            raise NotNative("rounding_mode")
+        a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+        if op is Op.DIV and not isinstance(a, Sym):
+            # `2 / x` is Tensor.__rtruediv__: reciprocal(x) * 2 in eager, two roundings.
+            recip = lw.elementwise(Op.DIV, (1.0, b), out)
+            return lw.elementwise(Op.MUL, (recip, a), out)
+        return lw.elementwise(op, (a, b), out)
+
+    return row
+
+
+def _rsub(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    if kwargs.get("alpha", 1) != 1:
+        raise NotNative("alpha != 1")
+    return lw.elementwise(Op.SUB, (args[1], args[0]), out)
+
+
+def _unary(op: Op) -> Callable[..., Sym]:
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        _no_out(kwargs)
+        return lw.elementwise(op, (args[0],), out)
+
+    return row
+
+
+def _leaky_relu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
+    return lw.elementwise(Op.LEAKY_RELU, (args[0],), out, slope=lw._operand(slope, False))
+
+
+def _clamp_bounds(lw: Lowerer, lo: Any, hi: Any, x: Any, out: Any) -> Sym:
+    if isinstance(lo, Sym) or isinstance(hi, Sym):
+        raise NotNative("tensor bounds")
+    bound = (lambda v: None if v is None else lw._operand(v, False))
+    return lw.elementwise(Op.CLAMP, (x,), out, lo=bound(lo), hi=bound(hi))
+
+
+def _clamp(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    _no_out(kwargs)
+    lo = args[1] if len(args) > 1 else kwargs.get("min")
+    hi = args[2] if len(args) > 2 else kwargs.get("max")
+    return _clamp_bounds(lw, lo, hi, args[0], out)
+
+
+def _hardtanh(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
+    hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
+    return _clamp_bounds(lw, lo, hi, args[0], out)
+
+
+def _relu6(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    return _clamp_bounds(lw, 0.0, 6.0, args[0], out)
+
+
+def _where(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    _no_out(kwargs)
+    if len(args) != 3:
+        raise NotNative("where with one argument")
+    return lw.elementwise(Op.WHERE, args, out)
+
+
+def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    return args[0]
+
+
+def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    training = fn.training if isinstance(fn, torch.nn.Module) else kwargs.get("training", args[2] if len(args) > 2 else True)
+    if training:
+        raise NotNative("dropout in training mode is random")
+    return args[0]
+
+
+def _view_op(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    src = args[0]
+    if not isinstance(src, Sym) or not isinstance(out, torch.Tensor):
+        raise NotNative("not a tensor view")
+    rest = pytree.tree_map(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
+    return lw.view(src, lambda t: fn(t, *rest[0], **rest[1]))
+
+
+def _getitem(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    src, idx = args
+    basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in pytree.tree_leaves(idx))
+    if isinstance(src, Sym) and src.is_tensor and basic:
+        return lw.view(src, lambda t: t[idx])
+    raise NotNative("indexing that is not a view")
+
+
+# --- GEMMs: mirror ATen's linear/addmm/mm argument choices, so sgemm_ gets eager's arguments ---
+
+
+def blas_args(c: TensorMeta, m1: TensorMeta, m2: TensorMeta) -> dict[str, Any] | None:
+    """The sgemm_ call ATen's addmm_impl_cpu_ makes for these layouts, or None if it copies."""
+    (rows, cols), s = c.shape, c.stride
+    if s[0] == 1 and (cols == 1 or s[1] >= max(1, rows)):
+        swap = False
+    elif s[1] == 1 and (rows == 1 or s[0] >= max(1, cols)):
+        swap = True
+    else:
+        return None
+    a, b = (m2, m1) if swap else (m1, m2)
+    m, n = (cols, rows) if swap else (rows, cols)
+    k = a.shape[0] if swap else a.shape[1]
+    r, q = (1, 0) if swap else (0, 1)  # the row/column axes as BLAS sees them
+
+    def cast(t: TensorMeta, lead_n: int, lead_t: int) -> bool | None:
+        # transposed for BLAS?  None where ATen would clone the operand first
+        if t.stride[r] == 1 and t.stride[q] >= max(1, lead_n):
+            return False
+        if t.stride[q] == 1 and t.stride[r] >= max(1, lead_t):
+            return True
+        return None
+
+    ta, tb = cast(a, m, k), cast(b, k, n)
+    if ta is None or tb is None:
+        return None
+    lda = a.stride[1 if ta == swap else 0]
+    ldb = b.stride[1 if tb == swap else 0]
+    ldc = c.stride[0 if swap else 1]
+    # cpublas::normalize_last_dims
+    if n == 1:
+        ldc = m
+    if ta:
+        lda = k if m == 1 else lda
+    elif k == 1:
+        lda = m
+    if tb:
+        ldb = n if k == 1 else ldb
+    elif n == 1:
+        ldb = k
+    big = 2**31 - 1
+    ok = max(m, n, k, lda, ldb, ldc) <= big and lda >= max(1, k if ta else m)
+    ok = ok and ldb >= max(1, n if tb else k) and ldc >= max(1, m)
+    if not ok:
+        return None
+    return dict(swap=swap, ta=ta, tb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc)
+
+
+def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
+    for t in (m1, m2) + ((bias,) if bias is not None else ()):
+        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32):
+            raise NotNative("GEMM operands must be float32 tensors")
+    if m1.meta.dim() != 2 or m2.meta.dim() != 2:
+        raise NotNative("GEMM on tensors that are not 2-D")
+    out = _mm_meta(m1.meta, m2.meta)
+    if bias is not None and beta != 0:
+        broadcast_shape(bias.meta.shape, out.shape)  # addmm's check: bias expands to (M, N)
+    args = blas_args(TensorMeta.of(out), TensorMeta.of(m1.meta), TensorMeta.of(m2.meta))
+    if args is None:
+        raise NotNative("layout ATen copies before its GEMM")
+    inputs = (m1.name, m2.name, bias.name if bias is not None and beta != 0 else None)
+    return lw.emit(Op.GEMM, inputs, out, beta=float(beta) if bias is not None else 0.0, blas=args)
+
+
+# --- output layouts of the GEMM family, without their Python meta kernels (see _example_call) ---
+
+
+def _mm_meta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"self must be a matrix (got {a.dim()}-D and {b.dim()}-D)")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})"
+        )
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
+    return torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device="meta")
+
+
+def _linear_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    x, w, b = _linear_parts(fn, args, kwargs)
+    if isinstance(fn, torch.nn.Linear):
+        w, b = to_meta(fn.weight), None if fn.bias is None else to_meta(fn.bias)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or w.dim() != 2:
+        return None
+    out = _mm_meta(x.reshape(-1, x.shape[-1]), w.t())
+    if b is not None:
+        broadcast_shape(b.shape, out.shape)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def _mm_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    a, b = args[0], args[1]
+    ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (a, b)) and kwargs.get("out") is None
+    return _mm_meta(a, b) if ok else None
+
+
+def _addmm_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    out = _mm_rule(fn, args[1:], kwargs)
+    if out is not None and isinstance(args[0], torch.Tensor):
+        broadcast_shape(args[0].shape, out.shape)
+        return out
+    return None
+
+
+META_RULES: dict[Any, Callable[..., torch.Tensor | None]] = {}
+for _k in (F.linear, torch.nn.Linear):
+    META_RULES[_k] = _linear_rule
+for _k in (torch.mm, "mm", torch.matmul, operator.matmul, "matmul", "__matmul__"):
+    META_RULES[_k] = _mm_rule
+for _k in (torch.addmm, "addmm"):
+    META_RULES[_k] = _addmm_rule
+
+
+def _linear_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    if isinstance(fn, torch.nn.Linear):
+        return args[0], None, None
+    x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    return x, w, args[2] if len(args) > 2 else kwargs.get("bias")
+
+
+def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    x, w, b = _linear_parts(fn, args, kwargs)
+    if isinstance(fn, torch.nn.Linear):
+        w = lw.param(fn.weight, "weight")
+        b = None if fn.bias is None else lw.param(fn.bias, "bias")
+    if not isinstance(x, Sym) or not isinstance(w, Sym):
+        raise NotNative("linear on non-tensors")
+    wt = lw.view(w, torch.t)
+    dim = x.meta.dim()
+    if dim == 2 and b is not None:
+        return _gemm(lw, x, wt, b, 1.0)
+    if dim == 3 and b is not None and x.meta.is_contiguous():
+        flat = lw.view(x, lambda t: t.view(-1, t.shape[-1]))
+        res = _gemm(lw, flat, wt, b, 1.0)
+        return lw.view(res, lambda t: t.view(out.shape))
+    if dim == 2 and b is None:
+        return _gemm(lw, x, wt, None, 0.0)
+    raise NotNative(f"linear on a {dim}-D input takes ATen's matmul path")
+
+
+def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    _no_out(kwargs)
+    if kwargs.get("alpha", 1) != 1 or kwargs.get("beta", 1) not in (0, 1):
+        raise NotNative("alpha != 1 or beta not in {0, 1}")
+    return _gemm(lw, args[1], args[2], args[0], float(kwargs.get("beta", 1)))
+
+
+def _mm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    _no_out(kwargs)
+    a, b = args[0], args[1]
+    if not (isinstance(a, Sym) and isinstance(b, Sym) and a.is_tensor and b.is_tensor):
+        raise NotNative("matmul of non-tensors")
+    return _gemm(lw, a, b, None, 0.0)
+
+
+def _rows() -> None:
+    nn = torch.nn
+    for op, keys in {
+        Op.ADD: (operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__iadd__", "__radd__"),
+        Op.SUB: (operator.sub, operator.isub, torch.sub, torch.subtract, "sub", "sub_", "__sub__", "__isub__"),
+        Op.MUL: (operator.mul, operator.imul, torch.mul, torch.multiply, "mul", "mul_", "__mul__", "__imul__", "__rmul__"),
+        Op.DIV: (operator.truediv, operator.itruediv, torch.div, torch.true_divide, "div", "div_", "__truediv__", "__itruediv__"),
+        Op.MAXIMUM: (torch.maximum, "maximum"),
+        Op.MINIMUM: (torch.minimum, "minimum"),
+    }.items():
+        register(*keys)(_binary(op))
+    register(torch.rsub, "rsub", "__rsub__")(_rsub)
+    register(operator.neg, torch.neg, torch.negative, "neg", "neg_", "__neg__")(_unary(Op.NEG))
+    register(operator.abs, torch.abs, "abs", "abs_", "__abs__")(_unary(Op.ABS))
+    register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_unary(Op.RELU))
+    register(F.leaky_relu, F.leaky_relu_, nn.LeakyReLU)(_leaky_relu_any)
+    register(torch.clamp, torch.clip, "clamp", "clip", "clamp_", "clip_")(_clamp)
+    register(F.hardtanh, F.hardtanh_, nn.Hardtanh)(_hardtanh_any)
+    register(F.relu6, nn.ReLU6)(_relu6)
+    register(torch.where, "where")(_where)
+    register(nn.Identity)(_identity)
+    register(F.dropout, nn.Dropout)(_dropout)
+    register(
+        torch.reshape, torch.flatten, torch.transpose, torch.permute, torch.t, torch.unsqueeze,
+        torch.squeeze, torch.swapaxes, torch.movedim, torch.narrow,
+        "view", "reshape", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
+        "expand", "expand_as", "contiguous", "view_as", "reshape_as", "swapaxes", "narrow",
+        "movedim", "unflatten",
+    )(_view_op)
+    register(nn.Flatten, nn.Unflatten)(_view_op)
+    register(operator.getitem, "__getitem__")(_getitem)
+    register(F.linear, nn.Linear)(_linear)
+    register(torch.addmm, "addmm")(_addmm)
+    register(torch.mm, "mm")(_mm)
+    register(torch.matmul, operator.matmul, "matmul", "__matmul__")(_matmul)
+
+
+def _leaky_relu_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    if isinstance(fn, torch.nn.Module):
+        return _leaky_relu(lw, fn, (args[0], fn.negative_slope), {}, out)
+    return _leaky_relu(lw, fn, args, kwargs, out)
+
+
+def _hardtanh_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    if isinstance(fn, torch.nn.Module):
+        return _clamp_bounds(lw, fn.min_val, fn.max_val, args[0], out)
+    return _hardtanh(lw, fn, args, kwargs, out)
+
+
+def _matmul(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    a, b = args[0], args[1]
+    if all(isinstance(t, Sym) and t.is_tensor and t.meta.dim() == 2 for t in (a, b)):
+        return _mm(lw, fn, args, kwargs, out)  # 2-D @ 2-D is at::mm in ATen's matmul
+    raise NotNative("matmul that is not 2-D @ 2-D")
+
+
+_rows()
+__all__ = ["lower", "Lowered", "Unsupported", "NotNative", "LOWERINGS", "register", "blas_args", "contiguous_strides"]

@@ -1,0 +1,200 @@
+"""Stage 3, passes: pure functions Graph -> Graph, run in order by a tiny pass manager.
+
+PIPELINE lists them; the manager records each pass's name and milliseconds (compile time is a
+product feature) and, in tests or debug mode, runs ir.verify after every pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from . import config
+from .ir import ELEMENTWISE, Graph, Node, Op, TensorMeta, verify
+
+Pass = Callable[[Graph], Graph]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    ms: float
+    graph: Graph
+
+
+@dataclass
+class PassLog:
+    records: list[PassRecord] = field(default_factory=list)
+
+    def timings(self) -> list[tuple[str, float]]:
+        return [(r.name, r.ms) for r in self.records]
+
+
+def run_passes(graph: Graph, passes: Sequence[Pass] | None = None, check: bool | None = None) -> tuple[Graph, PassLog]:
+    """Run `passes` (default PIPELINE) over `graph`; verify after each when `check` or debug."""
+    check = config.verify or config.debug > 0 if check is None else check
+    log = PassLog()
+    if check:
+        verify(graph)
+    for p in PIPELINE if passes is None else passes:
+        t0 = time.perf_counter()
+        graph = p(graph)
+        ms = (time.perf_counter() - t0) * 1e3
+        if check:
+            verify(graph)
+        log.records.append(PassRecord(p.__name__, ms, graph))
+    return graph, log
+
+
+def dce(graph: Graph) -> Graph:
+    """Drop pure nodes whose value nobody uses. EXTERN nodes stay: they may draw random numbers."""
+    live = set(graph.outputs) | set(graph.inputs)
+    kept: list[Node] = []
+    for n in reversed(graph.nodes):
+        if n.name in live or n.op is Op.EXTERN:
+            kept.append(n)
+            live.update(n.value_inputs())
+    return dataclasses.replace(graph, nodes=tuple(reversed(kept)))
+
+
+def _fusable_into(p: Node, n: Node, users: dict[str, list[Node]], outputs: set[str]) -> bool:
+    only_n = all(u is n for u in users[p.name])
+    return p.op in ELEMENTWISE and only_n and p.name not in outputs and p.meta.shape == n.meta.shape
+
+
+def fuse_elementwise(graph: Graph) -> Graph:
+    """Group chains and trees of elementwise nodes into FUSED nodes (one loop each).
+
+    A producer joins its consumer's loop when the consumer is its only user, it is not a graph
+    output, and both iterate over the same shape, so the value never touches memory.
+    """
+    users, outputs = graph.users(), set(graph.outputs)
+    group: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op not in ELEMENTWISE:
+            continue
+        members: list[Node] = []
+        for p in dict.fromkeys(n.value_inputs()):
+            prod = next(x for x in graph.nodes if x.name == p)
+            if p in group and _fusable_into(prod, n, users, outputs):
+                members += group.pop(p)
+        group[n.name] = members + [n]
+    absorbed = {m.name for body in group.values() for m in body[:-1]}
+    nodes = []
+    for n in graph.nodes:
+        if n.name in absorbed:
+            continue
+        nodes.append(_fused(group[n.name]) if n.name in group else n)
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _fused(body: list[Node]) -> Node:
+    inner = {b.name for b in body}
+    ext = dict.fromkeys(i for b in body for i in b.value_inputs() if i not in inner)
+    last = body[-1]
+    return Node(last.name, Op.FUSED, tuple(ext), last.meta, {"body": tuple(body)})
+
+
+def fuse_epilogue(graph: Graph) -> Graph:
+    """Run a FUSED consumer of a GEMM in place on the GEMM's output, right after the BLAS call.
+
+    Allowed when the loop is the GEMM value's only user and writes the same layout, so each
+    element is read and written at the same address while it is still in cache.
+    """
+    users, outputs = graph.users(), set(graph.outputs)
+    by_name = graph.node_map()
+    fold: dict[str, Node] = {}  # FUSED name -> GEMM it absorbs
+    for n in graph.nodes:
+        if n.op is not Op.GEMM or n.body or n.name in outputs:
+            continue
+        us = users[n.name]
+        if len(us) >= 1 and all(u is us[0] for u in us) and us[0].op is Op.FUSED and us[0].meta == n.meta:
+            fold[us[0].name] = n
+    if not fold:
+        return graph
+    gone = {g.name for g in fold.values()}
+    nodes = []
+    for n in graph.nodes:
+        if n.name in gone:
+            continue
+        if n.name in fold:
+            g = fold[n.name]
+            extra = tuple(i for i in n.inputs if i != g.name)
+            attrs = {**g.attrs, "acc": g.name, "acc_meta": g.meta, "body": n.body}
+            n = Node(n.name, Op.GEMM, g.inputs + extra, n.meta, attrs)
+        nodes.append(n)
+    del by_name
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _owner(n: Node, by_name: dict[str, Node]) -> str:
+    """The value whose memory `n` lives in (itself, or a view's base)."""
+    while n.op is Op.VIEW or (n.op is Op.EXTERN and "inplace_of" in n.attrs):
+        n = by_name[n.inputs[0] if n.op is Op.VIEW else n.attrs["inplace_of"]]
+    return n.name
+
+
+def plan_memory(graph: Graph) -> Graph:
+    """Say where every value lives: attrs['store'] is one of
+    'arg' / 'param' (given each call), 'out' (fresh tensor per call: it is returned),
+    'extern' (ATen allocates it), 'alias' (a view: base + metadata), or ('tmp', k): scratch
+    buffer k, kept across calls and shared by values whose lifetimes do not overlap.
+    An elementwise loop writes over an input that dies there when the layouts match.
+    """
+    by_name = graph.node_map()
+    owner = {n.name: _owner(n, by_name) for n in graph.nodes}
+    returned = {owner[o] for o in graph.outputs}
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.value_inputs():
+            last_use[owner[v]] = i
+    for o in returned:
+        last_use[o] = len(graph.nodes)
+    free: list[tuple[int, int]] = []  # (bytes, buffer id)
+    sizes: list[int] = []
+    held: dict[str, int] = {}
+    out_nodes = []
+    for i, n in enumerate(graph.nodes):
+        store: object
+        if n.op in (Op.INPUT, Op.PARAM):
+            store = n.op.value
+        elif owner[n.name] != n.name:
+            store = "alias"
+        elif n.op is Op.EXTERN:
+            store = "extern"
+        elif n.name in returned:
+            store = "out"
+        else:
+            store = ("tmp", _take(n, i, graph, owner, last_use, held, free, sizes))
+            held[n.name] = store[1]
+        out_nodes.append(dataclasses.replace(n, attrs={**n.attrs, "store": store}))
+        for v in {owner[x] for x in n.value_inputs()}:
+            if last_use.get(v) == i and v in held:
+                free.append((sizes[held[v]], held.pop(v)))
+    return dataclasses.replace(graph, nodes=tuple(out_nodes))
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    return max(meta.span, 1) * meta.dtype.itemsize
+
+
+def _take(n: Node, i: int, graph: Graph, owner: dict, last_use: dict, held: dict, free: list, sizes: list) -> int:
+    need = _nbytes(n.meta)
+    if n.op is Op.FUSED:  # in place over a dying input with the same layout
+        metas = {m.name: m.meta for m in graph.nodes}
+        for v in n.value_inputs():
+            if owner[v] == v and v in held and last_use.get(v) == i and metas[v] == n.meta:
+                buf = held.pop(v)
+                sizes[buf] = max(sizes[buf], need)
+                return buf
+    fits = sorted((b, k) for b, k in free if b >= need)
+    if fits:
+        free.remove(fits[0])
+        return fits[0][1]
+    sizes.append(need)
+    return len(sizes) - 1
+
+
+PIPELINE: tuple[Pass, ...] = (dce, fuse_elementwise, fuse_epilogue, plan_memory)
