@@ -31,7 +31,7 @@ def explain(fn: Any, *example_inputs: Any) -> Report:
 
     wrapper = fn if isinstance(fn, CompiledModule) else None
     target = wrapper.fn if wrapper else fn
-    captured = capture.from_graph_module(target) if isinstance(target, torch.fx.GraphModule) else capture.trace(target)
+    captured = capture.from_graph_module(target) if isinstance(target, torch.fx.GraphModule) else capture.trace(target, len(example_inputs))
     with config.patch(debug_dir=""), _want_text():
         prog = build_program(captured, tuple(example_inputs))
     secs = debug.sections(prog, captured.graph)

@@ -22,7 +22,7 @@ import torch
 from . import capture, config, debug
 from .lowering import Unsupported, lower
 from .passes import run_passes
-from .runtime import MISS, Program
+from .runtime import MISS, Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
 
@@ -47,6 +47,13 @@ class BrazeWarning(UserWarning):
     pass
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _miss(*args: Any) -> Any:
+    return MISS
+
+
 class _Failed:
     """A signature that did not compile; eager decides whether the inputs were bad."""
 
@@ -54,14 +61,14 @@ class _Failed:
         self.why = why
 
 
-def build_program(captured: capture.Captured, args: tuple[Any, ...]) -> Program:
+def build_program(captured: capture.Captured, args: tuple[Any, ...], module: torch.nn.Module | None = None) -> Program:
     """Run the pipeline after capture for one argument signature."""
     t0 = time.perf_counter()
     lowered = lower(captured, args)
     t1 = time.perf_counter()
     graph, log = run_passes(lowered.graph)
     timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
-    prog = Program(lowered, graph, timings)
+    prog = Program(lowered, graph, timings, Guard(args, module, _epoch, _epoch[0]))
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
@@ -95,13 +102,23 @@ class CompiledModule:
         self._said: set[str] = set()
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._params = list(self._module.parameters()) if self._module is not None else []
+        self._fast: Callable[..., Any] = _miss
+        self._subgraphs: list[CompiledModule] = []  # TorchDynamo's graphs, when FX could not trace
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            out = self._fast(*args)  # the last program used; MISS unless the call matches it
+            if out is not MISS:
+                return out
+        return self._slow(args, kwargs)
+
+    def _slow(self, args: tuple, kwargs: dict) -> Any:
         if kwargs:
-            args = self._bind(args, kwargs)
-            if args is None:
+            bound = self._bind(args, kwargs)
+            if bound is None:
                 return self._eager("keyword arguments that cannot be bound positionally", args, kwargs)
+            args = bound
         if self._dynamo is not None:
             return self._dynamo(*args)
         if torch.is_grad_enabled() and self._needs_grad(args):
@@ -110,6 +127,8 @@ class CompiledModule:
             key = _signature(args) + (self._module.training if self._module is not None else None,)
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
+        if any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args):
+            return self._eager("a tensor subclass argument", args, {})
         if self._epoch != _epoch[0]:
             self._reset()
         prog = self._cache.get(key)
@@ -123,10 +142,14 @@ class CompiledModule:
             self._say(prog.why)
             self._cache[key] = _EAGER
             return out
-        out = prog(*args)
+        if not isinstance(prog, Program):  # the TorchDynamo path took over
+            return prog(*args)
+        out = prog.body(*args)
         if out is MISS:  # a parameter was re-allocated (e.g. `.to()`): compile again
             self._cache.pop(key, None)
-            return self(*args)
+            self._fast = _miss
+            return self._slow(args, {})
+        self._fast = prog.run
         return out
 
     # --- helpers -----------------------------------------------------------------------------
@@ -148,6 +171,7 @@ class CompiledModule:
 
     def _reset(self) -> None:
         self._cache.clear()
+        self._fast = _miss
         self._captured = None
         self._epoch = _epoch[0]
         self._params = list(self._module.parameters()) if self._module is not None else []
@@ -179,13 +203,13 @@ class CompiledModule:
         t0 = time.perf_counter()
         if self._captured is None:
             try:
-                self._captured = capture.trace(self.fn)
+                self._captured = capture.trace(self.fn, len(args))
             except capture.CaptureError as e:
                 self._dynamo = _dynamo_fallback(self, str(e))
                 return None
         capture_ms = (time.perf_counter() - t0) * 1e3
         try:
-            prog = build_program(self._captured, args)
+            prog = build_program(self._captured, args, self._module)
         except Unsupported as e:
             self._say(str(e))
             return _EAGER
@@ -200,7 +224,8 @@ class CompiledModule:
 
     def programs(self) -> list[Program]:
         """The compiled specialisations this wrapper holds, oldest first."""
-        return [p for p in self._cache.values() if isinstance(p, Program)]
+        own = [p for p in self._cache.values() if isinstance(p, Program)]
+        return own + [p for sub in self._subgraphs for p in sub.programs()]
 
 
 def _dynamo_fallback(wrapper: CompiledModule, why: str) -> Callable[..., Any] | None:
@@ -208,7 +233,12 @@ def _dynamo_fallback(wrapper: CompiledModule, why: str) -> Callable[..., Any] | 
     try:
         from .backend import braze_backend
 
-        compiled = torch.compile(wrapper.fn, backend=braze_backend, dynamic=False)
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            sub = braze_backend(gm, example_inputs)
+            wrapper._subgraphs.append(sub)
+            return sub
+
+        compiled = torch.compile(wrapper.fn, backend=backend, dynamic=False)
     except Exception as e:  # dynamo unavailable on this platform/Python
         wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
         return None

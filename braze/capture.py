@@ -7,6 +7,7 @@ its backend, and if that fails too it runs eagerly with one warning.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,14 +30,25 @@ class _Tracer(torch.fx.Tracer):
     pass
 
 
-def trace(fn: Callable[..., Any]) -> Captured:
+def trace(fn: Callable[..., Any], n_args: int) -> Captured:
     """Symbolically trace `fn` (an nn.Module or a function of tensors) into an FX graph."""
     root = fn if isinstance(fn, torch.nn.Module) else torch.nn.Module()
     try:
-        graph = _Tracer().trace(fn)
+        graph = _Tracer().trace(_traceable(fn, n_args))
     except Exception as e:  # FX raises many kinds: TraceError, TypeError, NotImplementedError...
         raise CaptureError(f"torch.fx could not trace {_name(fn)}: {type(e).__name__}: {e}") from e
     return Captured(graph, root)
+
+
+def _traceable(fn: Callable[..., Any], n_args: int) -> Callable[..., Any]:
+    """FX traces Python functions and modules; give builtins such as torch.relu a Python body
+    that takes as many arguments as the first call passed."""
+    if isinstance(fn, torch.nn.Module) or inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    names = [f"a{i}" for i in range(n_args)]
+    ns: dict[str, Any] = {"fn": fn}
+    exec(f"def call({', '.join(names)}):\n    return fn({', '.join(names)})", ns)
+    return ns["call"]
 
 
 def from_graph_module(gm: torch.fx.GraphModule) -> Captured:

@@ -66,8 +66,9 @@ class ModuleBuilder:
         """Emit `body` over `shape_meta.shape`, storing the last value at `out`."""
         if shape_meta.numel == 0:
             return
-        operands = {i: override.get(i) or self.slot_of(i) for n in body for i in n.value_inputs()}
-        operands = {k: v for k, v in operands.items() if k not in {n.name for n in body}}
+        inner = {n.name for n in body}
+        names = dict.fromkeys(i for n in body for i in n.value_inputs() if i not in inner)
+        operands = {i: override.get(i) or self.slot_of(i) for i in names}
         dims = _loop_dims(shape_meta.shape, [out.meta] + [a.meta for a in operands.values()], out.meta)
         fname = f"loop{self.n_loops}"
         self.n_loops += 1

@@ -213,9 +213,12 @@ def verify(graph: Graph) -> Graph:
             _verify_elementwise(n, metas)
         if n.body:
             _verify_body(n, metas)
-        if n.op in (Op.VIEW, Op.COPY):
+        if n.op is Op.VIEW:
             src = metas[n.inputs[0]]
-            _check(src is not None and n.meta.numel == src.numel, f"{n.name}: view changes numel")
+            _check(src is not None and n.meta.span <= src.span, f"{n.name}: view reaches past its base")
+        if n.op is Op.COPY:
+            src = metas[n.inputs[0]]
+            _check(src is not None and n.meta.shape == src.shape, f"{n.name}: copy changes shape")
         if n.op is Op.INPUT:
             _check(n.name in graph.inputs, f"{n.name} is an input missing from graph.inputs")
         metas[n.name] = n.meta

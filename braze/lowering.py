@@ -159,11 +159,17 @@ class Lowerer:
 
     # --- running FX nodes --------------------------------------------------------------------
     def run(self, example_args: tuple[Any, ...]) -> Lowered:
-        args = iter(enumerate(example_args))
         out_node = None
+        placeholders = 0
         for node in self.captured.graph.nodes:
             if node.op == "placeholder":
-                self.env[node] = self._placeholder(node, *next(args))
+                if placeholders < len(example_args):
+                    self.env[node] = self._placeholder(node, placeholders, example_args[placeholders])
+                elif node.args:  # a parameter the call left at its default
+                    self.env[node] = node.args[0]
+                else:
+                    raise TypeError(f"missing argument {node.target!r}")
+                placeholders += 1
             elif node.op == "get_attr":
                 self.env[node] = self._get_attr(node.target)
             elif node.op == "output":

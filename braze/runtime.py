@@ -100,7 +100,14 @@ class Workspace:
 
 
 class Program:
-    def __init__(self, lowered: Lowered, graph: Graph, timings: list[tuple[str, float]]) -> None:
+    """Native code + generated Python for one signature.
+
+    `run(*args)` checks the arguments against the signature (and grad mode, the module's
+    training flag, the parameters' addresses) and returns MISS on any mismatch; `body(*args)`
+    skips the argument checks, for callers that matched the signature themselves.
+    """
+
+    def __init__(self, lowered: Lowered, graph: Graph, timings: list[tuple[str, float]], guard: Guard) -> None:
         self.graph = graph
         self.nodes = graph.node_map()
         self.layout = _layout(graph)
@@ -113,12 +120,13 @@ class Program:
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self._fns = self._build_native()
-        writer = _RunnerWriter(self, lowered)
+        self._local = threading.local()
+        writer = _RunnerWriter(self, lowered, guard)
         self.source = writer.source()
         namespace = self._namespace(lowered, writer.consts)
         exec(compile(self.source, f"<braze program {id(self):x}>", "exec"), namespace)
         self.run = namespace["run"]
-        self._local = threading.local()
+        self.body = namespace["body"]
 
     def _access(self, name: str) -> Access:
         owner = self.nodes[self.layout.owner[name]]
@@ -143,7 +151,7 @@ class Program:
         return [_VOID_FN(compiled.addresses[s.name]) for s in self.segments]
 
     def _namespace(self, lowered: Lowered, consts: dict[str, Any]) -> dict[str, Any]:
-        ns: dict[str, Any] = {"_empty": torch.empty_strided, "MISS": MISS, **consts}
+        ns: dict[str, Any] = {"_empty": torch.empty_strided, "MISS": MISS, "_ws": self.workspace, **consts}
         ns.update({f"_seg{i}": f for i, f in enumerate(self._fns)})
         ns.update({f"_p{i}": p for i, p in enumerate(self.params)})
         ns["_spec"] = lowered.out_spec
@@ -158,7 +166,7 @@ class Program:
         return ws
 
     def __call__(self, *args: Any) -> Any:
-        return self.run(*args, self.workspace())
+        return self.run(*args)
 
 
 def _check_extern_result(t: Any, shape: tuple, stride: tuple, label: str) -> None:
@@ -166,10 +174,21 @@ def _check_extern_result(t: Any, shape: tuple, stride: tuple, label: str) -> Non
         raise RuntimeError(f"braze: {label} returned a layout the compiled program did not expect")
 
 
-class _RunnerWriter:
-    """Writes the Python source of Program.run for one program."""
+@dataclass
+class Guard:
+    """What a program was specialised for, beyond its parameters' addresses."""
 
-    def __init__(self, prog: Program, lowered: Lowered) -> None:
+    args: tuple[Any, ...]  # the example arguments
+    module: torch.nn.Module | None  # whose `training` flag must stay as it was
+    epoch: list[int]  # the global module-change counter (api._epoch) and its value now
+    epoch_value: int
+
+
+class _RunnerWriter:
+    """Writes the Python source of Program.run / Program.body for one program."""
+
+    def __init__(self, prog: Program, lowered: Lowered, guard: Guard) -> None:
+        self.guard = guard
         self.prog = prog
         self.lowered = lowered
         self.lines: list[str] = []
@@ -203,10 +222,10 @@ class _RunnerWriter:
     def source(self) -> str:
         prog, g = self.prog, self.prog.graph
         args = [f"a{i}" for i in range(self.lowered.n_args)]
-        head = [f"def run({', '.join(args + ['ws'])}):", "    t = ws.table"]
-        checks = [f"{p}.data_ptr() != {t.data_ptr()}" for p, t in zip((f"_p{i}" for i in range(len(prog.params))), prog.params)]
-        if checks:
-            head.append(f"    if {' or '.join(checks)}:\n        return MISS")
+        params = [f"_p{i}" for i in range(len(prog.params))]
+        moved = [f"{p}.data_ptr() != {t.data_ptr()}" for p, t in zip(params, prog.params)]
+        head = [f"    if {' or '.join(moved)}:", "        return MISS"] if moved else []
+        head += ["    ws = _ws()", "    t = ws.table"]
         for n in g.nodes:
             if n.op is Op.INPUT:
                 self.expr[n.name] = f"a{n.attrs['index']}"
@@ -228,7 +247,33 @@ class _RunnerWriter:
             elif n.op is Op.EXTERN:
                 self._extern(n)
         self.lines.append(f"    return {self._outputs()}")
-        return "\n".join(head + self.lines) + "\n"
+        body = head + self.lines
+        guard = self._guard(args, params)
+        sig = ", ".join(args)
+        run = [f"def run({', '.join([a + '=MISS' for a in args] + ['*rest'])}):", "    try:",
+               f"        if {guard}:", "            return MISS", "    except Exception:", "        return MISS"]
+        return "\n".join([f"def body({sig}):", *body, "", *run, *body]) + "\n"
+
+    def _guard(self, args: list[str], params: list[str]) -> str:
+        """One boolean expression, true when the call does not match this specialisation."""
+        gd = self.guard
+        checks = ["rest"]
+        grads = [f"{a}.requires_grad" for a, v in zip(args, gd.args) if isinstance(v, torch.Tensor)]
+        grads += [f"{p}.requires_grad" for p in params]
+        if grads:
+            checks.append(f"(_grad_on() and ({' or '.join(grads)}))")
+        for a, v in zip(args, gd.args):
+            if isinstance(v, torch.Tensor):
+                checks += [f"type({a}) not in _TT", f"not {a}.is_cpu", f"{a}.dtype is not {self.const(v.dtype)}",
+                           f"{a}.shape != {tuple(v.shape)}", f"{a}.stride() != {tuple(v.stride())}"]
+            else:
+                checks += [f"type({a}) is not {self.const(type(v))}", f"{a} != {self.const(v)}"]
+        if gd.module is not None:
+            checks.append(f"{self.const(gd.module)}.training is not {gd.module.training}")
+        checks.append(f"{self.const(gd.epoch)}[0] != {gd.epoch_value}")
+        self.consts["_grad_on"] = torch.is_grad_enabled
+        self.consts["_TT"] = (torch.Tensor, torch.nn.Parameter)
+        return " or ".join(checks)
 
     def _native_reads(self, name: str) -> bool:
         for seg in self.prog.segments:

@@ -1,0 +1,137 @@
+"""Each op against eager, bit for bit: odd sizes, broadcasting, strides, zero-size, NaN/inf/-0."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .helpers import check_model
+
+SIZES = [(1,), (7,), (33,), (257,), (7, 33), (0, 7), (3, 0, 5)]
+
+
+def special(*shape: int) -> torch.Tensor:
+    """Random values with NaN, +-inf, -0.0 and +0.0 sprinkled in."""
+    t = torch.randn(*shape)
+    flat = t.view(-1)
+    for i, v in enumerate([float("nan"), float("inf"), -float("inf"), -0.0, 0.0]):
+        if i < flat.numel():
+            flat[(i * 7919) % flat.numel()] = v
+    return t
+
+
+# name, function, number of tensor inputs. Each must compile to exactly one native kernel.
+NATIVE = [
+    ("add", operator.add, 2),
+    ("sub", operator.sub, 2),
+    ("mul", operator.mul, 2),
+    ("div", operator.truediv, 2),
+    ("torch.add", torch.add, 2),
+    ("maximum", torch.maximum, 2),
+    ("minimum", torch.minimum, 2),
+    ("add_scalar", lambda x: x + 0.1, 1),
+    ("mul_int", lambda x: x * 3, 1),
+    ("rsub", lambda x: 2.5 - x, 1),
+    ("rdiv", lambda x: 3.0 / x, 1),
+    ("div_scalar", lambda x: x / 7, 1),
+    ("neg", operator.neg, 1),
+    ("abs", torch.abs, 1),
+    ("relu", torch.relu, 1),
+    ("F.relu", F.relu, 1),
+    ("leaky_relu", lambda x: F.leaky_relu(x, 0.2), 1),
+    ("clamp", lambda x: torch.clamp(x, -0.5, 0.75), 1),
+    ("clamp_min", lambda x: x.clamp(min=0.1), 1),
+    ("clamp_max", lambda x: x.clamp(max=0.1), 1),
+    ("hardtanh", F.hardtanh, 1),
+    ("relu6", F.relu6, 1),
+    ("where", lambda x, y: torch.where(x > y, x, y), 2),
+    ("where_scalar", lambda x: torch.where(x.isnan(), 0.0, x), 1),
+]
+
+
+@pytest.mark.parametrize("shape", SIZES, ids=str)
+@pytest.mark.parametrize("name,fn,arity", NATIVE, ids=[r[0] for r in NATIVE])
+def test_native_elementwise(name, fn, arity, shape):
+    inputs = tuple(special(*shape) for _ in range(arity))
+    numel = inputs[0].numel()
+    check_model(fn, inputs, kernels=1 if numel and not name.startswith("where") else None)
+
+
+def test_where_native_with_bool_input():
+    x, y = special(7, 33), special(7, 33)
+    cond = x > y
+    check_model(lambda c, a, b: torch.where(c, a, b), (cond, x, y), kernels=1, externs=0)
+
+
+@pytest.mark.parametrize("name,fn,arity", [r for r in NATIVE if r[2] == 2], ids=[r[0] for r in NATIVE if r[2] == 2])
+@pytest.mark.parametrize("shapes", [((33, 1), (1, 7)), ((7, 33), (33,)), ((1,), (5, 4, 3)), ((2, 1, 4), (3, 1))], ids=str)
+def test_broadcasting(name, fn, arity, shapes):
+    check_model(fn, tuple(special(*s) for s in shapes))
+
+
+@pytest.mark.parametrize("name,fn,arity", NATIVE[:8], ids=[r[0] for r in NATIVE[:8]])
+def test_non_contiguous_inputs(name, fn, arity):
+    base = [special(33, 40) for _ in range(arity)]
+    views = [b.t() for b in base[:1]] + [b[:, ::2].t()[:33] if False else b.t() for b in base[1:]]
+    check_model(fn, tuple(views))  # outputs follow the inputs' layout, as TensorIterator does
+    sliced = tuple(b[::2, 1::3] for b in base)
+    check_model(fn, sliced)
+
+
+def test_mixed_layouts():
+    a, b = special(16, 24), special(24, 16).t()
+    check_model(lambda x, y: (x * 2 + y).relu(), (a, b), kernels=1)
+
+
+def test_fusion_of_a_chain_is_one_kernel():
+    check_model(lambda x, y: torch.relu(x * 2 + y) - 0.5 * x, (special(64, 33), special(64, 33)), kernels=1)
+
+
+def test_fused_value_used_twice_still_one_kernel():
+    check_model(lambda x: (lambda t: t * t + t)(x.abs() + 1), (special(257),), kernels=2)
+
+
+def test_views_are_free():
+    fns = [
+        lambda x: (x.view(8, 33) + 1).t().reshape(-1) * 2,
+        lambda x: x.t().contiguous() + 1,
+        lambda x: x.unsqueeze(0).expand(3, 8, 33) * x,
+        lambda x: torch.flatten(x.permute(1, 0)) + 0,
+        lambda x: x[1:5, ::2] * 3,
+        lambda x: x.t().reshape(-1),  # a copy: x.t() cannot be viewed flat
+        lambda x: x.transpose(0, 1).squeeze().unsqueeze(-1) - 1,
+    ]
+    for fn in fns:
+        check_model(fn, (special(8, 33),))
+
+
+def test_returning_inputs_and_views_of_inputs():
+    x = special(4, 6)
+    check_model(lambda a: (a, a.t(), a[1:], a + 1), (x,))
+
+
+# Ops eager computes with its own vectorised math (Sleef, reductions): braze calls ATen for
+# them inside the program, so the answer is eager's by construction.
+EXTERN = [
+    ("gelu", F.gelu), ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("silu", F.silu),
+    ("softplus", F.softplus), ("elu", F.elu), ("mish", F.mish),
+    ("softmax", lambda x: torch.softmax(x, -1)), ("log_softmax", lambda x: F.log_softmax(x, -1)),
+    ("layer_norm", lambda x: F.layer_norm(x, x.shape[-1:])),
+    ("sum", lambda x: x.sum(-1)), ("mean", lambda x: x.mean()), ("amax", lambda x: x.amax(0)),
+    ("cat", lambda x: torch.cat([x, x * 2], 0)), ("pow", lambda x: x**2), ("exp", torch.exp),
+]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (33, 257)], ids=str)
+@pytest.mark.parametrize("name,fn", EXTERN, ids=[r[0] for r in EXTERN])
+def test_extern_ops_match_eager(name, fn, shape):
+    x = torch.randn(*shape)
+    check_model(lambda t: fn(t * 0.5) + 1, (x,))
+
+
+def test_extern_between_native_kernels():
+    compiled = check_model(lambda x: torch.tanh(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
+    assert compiled.programs()[0].externs[0][0].endswith("tanh")
