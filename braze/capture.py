@@ -32,12 +32,13 @@ class _Tracer(torch.fx.Tracer):
 
 def trace(fn: Callable[..., Any], n_args: int) -> Captured:
     """Symbolically trace `fn` (an nn.Module or a function of tensors) into an FX graph."""
-    root = fn if isinstance(fn, torch.nn.Module) else torch.nn.Module()
+    tracer = _Tracer()
     try:
-        graph = _Tracer().trace(_traceable(fn, n_args))
+        graph = tracer.trace(_traceable(fn, n_args))
     except Exception as e:  # FX raises many kinds: TraceError, TypeError, NotImplementedError...
         raise CaptureError(f"torch.fx could not trace {_name(fn)}: {type(e).__name__}: {e}") from e
-    return Captured(graph, root)
+    # For a function, the tracer's own root holds the tensors it closes over (_tensor_constant0).
+    return Captured(graph, tracer.root)
 
 
 def _traceable(fn: Callable[..., Any], n_args: int) -> Callable[..., Any]:

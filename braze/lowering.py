@@ -493,7 +493,10 @@ def _linear_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
         w, b = to_meta(fn.weight), None if fn.bias is None else to_meta(fn.bias)
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or w.dim() != 2:
         return None
-    out = _mm_meta(x.reshape(-1, x.shape[-1]), w.t())
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    out = _mm_meta(torch.empty((rows, x.shape[-1]), dtype=x.dtype, device="meta"), w.t())
     if b is not None:
         broadcast_shape(b.shape, out.shape)
     return out.view(*x.shape[:-1], w.shape[0])
