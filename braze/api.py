@@ -50,6 +50,10 @@ class BrazeWarning(UserWarning):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _plain_cpu(t: torch.Tensor) -> bool:
+    return type(t) in _PLAIN and t.device.type == "cpu" and t.layout == torch.strided
+
+
 def _miss(*args: Any) -> Any:
     return MISS
 
@@ -127,8 +131,8 @@ class CompiledModule:
             key = _signature(args) + (self._module.training if self._module is not None else None,)
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
-        if any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args):
-            return self._eager("a tensor subclass argument", args, {})
+        if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):
+            return self._eager("an argument that is not a plain, strided CPU tensor", args, {})
         if self._epoch != _epoch[0]:
             self._reset()
         prog = self._cache.get(key)

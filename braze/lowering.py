@@ -219,13 +219,13 @@ class Lowerer:
         result = self._native_or_extern(fn, args, kwargs, key, label, out)
         if isinstance(result, Sym) and out_real is not None:
             self.real.setdefault(result.name, out_real)
+        for m in mutated:
+            self._functionalize(m, result, label)
         if aliased is not None and isinstance(result, Sym) and self.ops[result.name] is Op.EXTERN:
             owner = self.owner(aliased)
             self.base[result.name] = owner
             self.viewed.add(owner)
             self.nodes[-1].attrs["alias_of"] = owner
-        for m in mutated:
-            self._functionalize(m, result, label)
         return result
 
     def _example_call(self, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Sym], str | None]:
@@ -265,7 +265,7 @@ class Lowerer:
                 self.env[k] = result
 
     def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
-        leaves, spec = pytree.tree_flatten(self._load(out_node.args[0]))
+        leaves, spec = pytree.tree_flatten(_mutable(self._load(out_node.args[0])))
         out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
@@ -277,6 +277,19 @@ def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:
     # fork_rng: example runs of random ops must not move the generator eager will use.
     with torch.inference_mode(False), torch.no_grad(), torch.random.fork_rng(devices=[]):
         return Lowerer(captured).run(example_args)
+
+
+def _mutable(x: Any) -> Any:
+    """FX stores outputs in immutable_dict/immutable_list; the caller gets dict/list, as eager."""
+    if isinstance(x, dict):
+        return {k: _mutable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_mutable(v) for v in x]
+    if isinstance(x, tuple) and type(x) is not tuple and hasattr(x, "_fields"):
+        return type(x)(*(_mutable(v) for v in x))
+    if isinstance(x, tuple):
+        return tuple(_mutable(v) for v in x)
+    return x
 
 
 def _metas(tree: Any) -> Any:

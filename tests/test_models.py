@@ -1,0 +1,295 @@
+"""Whole models through the public API: caching, fallbacks, bad inputs, weights, threads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import braze
+
+from .helpers import assert_same, check_model
+
+
+def lesson() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).eval()
+
+
+def test_lesson_model_is_two_fused_gemms_and_exact():
+    compiled = check_model(lesson(), (torch.randn(32, 64),), kernels=2, externs=0)
+    prog = compiled.programs()[0]
+    assert [n.op.value for n in prog.graph.nodes if n.op.value in ("gemm", "fused")] == ["gemm", "gemm"]
+
+
+def test_compile_is_lazy_and_a_decorator():
+    model = lesson()
+    compiled = braze.compile(model)
+    assert compiled.programs() == []
+
+    @braze.compile
+    def f(x):
+        return torch.relu(x) * 2
+
+    @braze.compile(mode="exact", cache_size=3)
+    def g(x):
+        return x - 1
+
+    x = torch.randn(5)
+    check_model(f.fn, (x,), compiled=f, kernels=1)
+    check_model(g.fn, (x,), compiled=g, kernels=1)
+    with pytest.raises(ValueError):
+        braze.compile(model, mode="turbo")
+
+
+def test_shape_changes_compile_new_specialisations_within_a_bounded_cache():
+    model = lesson()
+    compiled = braze.compile(model, cache_size=2)
+    for shape in [(1, 64), (128, 64), (3, 5, 64), (1, 64)]:
+        check_model(model, (torch.randn(*shape),), compiled=compiled)
+    assert len(compiled.programs()) == 2
+    # a non-contiguous input is a signature of its own
+    check_model(model, (torch.randn(64, 16).t(),), compiled=compiled)
+
+
+def test_zero_batch_and_one_row():
+    model = lesson()
+    check_model(model, (torch.randn(0, 64),))
+    check_model(model, (torch.randn(1, 64),))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [torch.randn(8, 63), torch.randn(8, 64, dtype=torch.float64), torch.randint(0, 3, (8, 64)), torch.randn(2, 3, 4, 5)],
+    ids=["feature-size", "float64", "int64", "rank4-wrong"],
+)
+def test_bad_inputs_raise_what_eager_raises(bad):
+    model = lesson()
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        compiled(torch.randn(8, 64))  # a good call first: a compiled program is in place
+        with pytest.raises(Exception) as eager_err:
+            model(bad)
+        with pytest.raises(type(eager_err.value)):
+            compiled(bad)
+        assert_same(compiled(torch.randn(8, 64) * 0), model(torch.randn(8, 64) * 0))
+
+
+def test_bad_inputs_never_crash_the_process():
+    script = textwrap.dedent(
+        """
+        import torch, braze, warnings
+        warnings.simplefilter("ignore")
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
+        c = braze.compile(model)
+        bad = [torch.randn(4, 65), torch.randn(4, 64)[:, ::2], torch.randn(4, 64, dtype=torch.float64),
+               torch.randn(4, 64).to(torch.bfloat16), torch.randn(4, 64).to_sparse(), torch.empty(4, 64, device="meta"),
+               torch.randn(64), torch.randn(0, 64), torch.randn(4, 64).expand(3, 4, 64), "text", None]
+        with torch.no_grad():
+            for x in bad:
+                for _ in range(2):
+                    try:
+                        c(x)
+                    except Exception:
+                        pass
+            assert torch.equal(c(torch.ones(4, 64)), model(torch.ones(4, 64)))
+        print("survived")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "survived" in out.stdout
+
+
+def test_grad_mode_runs_eagerly_and_keeps_autograd():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    with pytest.warns(braze.BrazeWarning, match="gradients"):
+        out = compiled(x)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+    assert compiled.programs() == []
+    with torch.no_grad():  # and inference still compiles
+        check_model(model, (x,), compiled=compiled, kernels=2)
+
+
+def test_inference_mode_compiles():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        assert_same(compiled(x), model(x))
+    assert len(compiled.programs()) == 1
+
+
+def test_weights_changed_in_place_are_seen():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(16, 64)
+    check_model(model, (x,), compiled=compiled)
+    model.load_state_dict(lesson().state_dict())  # copies into the same tensors
+    check_model(model, (x,), compiled=compiled)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).sum().backward()
+    opt.step()
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.programs()) == 1
+
+
+def test_weights_replaced_or_moved_recompile():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(16, 64)
+    check_model(model, (x,), compiled=compiled)
+    model[0].weight = nn.Parameter(torch.randn(64, 64))
+    check_model(model, (x,), compiled=compiled)
+    model[2].bias.data = torch.randn(10)  # a new tensor behind the same Parameter
+    check_model(model, (x,), compiled=compiled)
+    model.double()
+    check_model(model, (x.double(),), compiled=compiled)
+
+
+def test_train_and_eval_switch():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU())
+    compiled = braze.compile(model)
+    x = torch.randn(4, 8)
+    model.eval()
+    check_model(model, (x,), compiled=compiled, kernels=1)
+    model.train()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        expected = model(x)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        actual = compiled(x)
+    assert torch.equal(actual, expected)  # dropout runs through ATen on the same random stream
+
+
+def test_threads_share_one_wrapper():
+    model = lesson()
+    compiled = braze.compile(model)
+    inputs = [torch.randn(32, 64) for _ in range(8)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        with torch.no_grad():
+            for _ in range(200):
+                if not torch.equal(compiled(inputs[i]), expected[i]):
+                    errors.append(f"thread {i}")
+                    return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: FX cannot trace this
+            return torch.relu(self.a(x))
+        return self.b(x) * 2
+
+
+def test_control_flow_goes_through_dynamo():
+    model = Branchy().eval()
+    compiled = braze.compile(model)
+    for x in (torch.ones(4, 16), -torch.ones(4, 16)):
+        check_model(model, (x,), compiled=compiled)
+    assert compiled.programs(), "dynamo's graphs should be compiled by braze"
+
+
+def test_torch_compile_backend():
+    model = lesson()
+    compiled = torch.compile(model, backend="braze")
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        assert_same(compiled(x), model(x))
+
+
+def test_in_place_on_an_input_runs_eagerly():
+    def f(x):
+        x.add_(1)
+        return x * 2
+
+    compiled = braze.compile(f)
+    a, b = torch.randn(5), None
+    b = a.clone()
+    with pytest.warns(braze.BrazeWarning, match="in place"):
+        out = compiled(a)
+    assert torch.equal(out, f(b)) and torch.equal(a, b)
+
+
+def test_in_place_on_intermediates_is_functionalised():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 4)).eval()
+    check_model(model, (torch.randn(3, 16),), kernels=2, externs=0)
+
+    def f(x):
+        y = x * 2
+        y += 1
+        y.relu_()
+        return torch.sigmoid_(y + 0)
+
+    check_model(f, (torch.randn(9),))
+
+
+def test_structured_outputs_keyword_and_constant_arguments():
+    def f(x, y, scale=2.0, flag=True):
+        s = x * scale + y
+        return {"sum": s, "pair": (s.relu(), y.t()), "n": x.shape[0], "flag": flag}
+
+    compiled = braze.compile(f)
+    x, y = torch.randn(3, 3), torch.randn(3, 3)
+    with torch.no_grad():
+        assert_same(compiled(x, y), f(x, y))
+        assert_same(compiled(x, y=y, scale=3.0), f(x, y, scale=3.0))
+
+
+def test_unknown_modules_run_through_aten_inside_the_program():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8), nn.Tanh()).eval()
+    compiled = check_model(model, (torch.randn(5, 16),))
+    prog = compiled.programs()[0]
+    assert prog.kernel_count == 2 and len(prog.externs) == 3
+
+
+def test_explain_reports_every_stage():
+    report = braze.explain(lesson(), torch.randn(32, 64))
+    for section in ["captured graph", "IR after lowering", "IR after fuse_epilogue", "fusion groups",
+                    "native vs ATen", "LLVM IR", "assembly", "compile time per stage"]:
+        assert section in report
+    assert "sgemm_" in report.sections["LLVM IR"]
+    assert " fast " not in report.sections["optimised LLVM IR"]  # strict mode: no fast-math flags
+
+
+def test_no_warnings_on_the_happy_path():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_model(lesson(), (torch.randn(2, 64),))
+
+
+def test_residual_mlp_block():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(33, 65), nn.Linear(65, 33)
+
+        def forward(self, x):
+            return x + self.down(F.leaky_relu(self.up(x), 0.1)).clamp(-1, 1)
+
+    check_model(Block().eval(), (torch.randn(7, 33),), kernels=2, externs=0)
