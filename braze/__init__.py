@@ -1,12 +1,13 @@
 """braze: a compiler for PyTorch models on the CPU that answers in milliseconds.
 
-    import braze
-    fast = braze.compile(model)   # returns at once; the first call compiles
-    out = fast(x)                 # bit-identical to model(x)
+import braze
+fast = braze.compile(model)   # returns at once; the first call compiles
+out = fast(x)                 # bit-identical to model(x)
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from . import config
@@ -29,11 +30,16 @@ def explain(fn: Any, *example_inputs: Any) -> Report:
     from . import capture, debug
     from .api import build_program
 
-    wrapper = fn if isinstance(fn, CompiledModule) else None
-    target = wrapper.fn if wrapper else fn
-    captured = capture.from_graph_module(target) if isinstance(target, torch.fx.GraphModule) else capture.trace(target, len(example_inputs))
+    target = fn.fn if isinstance(fn, CompiledModule) else fn
+    t0 = time.perf_counter()
+    if isinstance(target, torch.fx.GraphModule):
+        captured = capture.from_graph_module(target)
+    else:
+        captured = capture.trace(target, len(example_inputs))
+    capture_ms = (time.perf_counter() - t0) * 1e3
     with config.patch(debug_dir=""), _want_text():
         prog = build_program(captured, tuple(example_inputs))
+    prog.timings.insert(0, ("capture", capture_ms))
     secs = debug.sections(prog, captured.graph)
     text = "\n\n".join(f"=== {name} ===\n{body}" for name, body in secs.items())
     report = Report(text)

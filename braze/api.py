@@ -15,7 +15,8 @@ import inspect
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -164,7 +165,10 @@ class CompiledModule:
         except TypeError:
             return None
         bound.apply_defaults()
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in inspect.signature(target).parameters.values()):
+        if any(
+            p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY)
+            for p in inspect.signature(target).parameters.values()
+        ):
             return None
         return tuple(bound.arguments.values())
 

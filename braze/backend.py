@@ -6,7 +6,8 @@ braze never imports TorchDynamo.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -8,8 +8,9 @@ its backend, and if that fails too it runs eagerly with one warning.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -30,11 +31,37 @@ class _Tracer(torch.fx.Tracer):
     pass
 
 
+# Factories that FX would run once while tracing and bake in as constants, when eager draws
+# new numbers every call. Seeing one, capture fails and TorchDynamo (which records them) runs.
+_RANDOM = {
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.normal,
+    torch.bernoulli,
+    torch.multinomial,
+    torch.poisson,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+}
+
+
+class _NoUntracedRandom(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in _RANDOM and not any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values())):
+            raise CaptureError(f"{func.__name__} outside the traced values would become a constant")
+        return func(*args, **kwargs)
+
+
 def trace(fn: Callable[..., Any], n_args: int) -> Captured:
     """Symbolically trace `fn` (an nn.Module or a function of tensors) into an FX graph."""
     tracer = _Tracer()
     try:
-        graph = tracer.trace(_traceable(fn, n_args))
+        with _NoUntracedRandom():
+            graph = tracer.trace(_traceable(fn, n_args))
     except Exception as e:  # FX raises many kinds: TraceError, TypeError, NotImplementedError...
         raise CaptureError(f"torch.fx could not trace {_name(fn)}: {type(e).__name__}: {e}") from e
     # For a function, the tracer's own root holds the tensors it closes over (_tensor_constant0).

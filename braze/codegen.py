@@ -9,8 +9,8 @@ the IEEE op ATen performs, in the same order, so results are bit-identical to ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import llvmlite.ir as ll
 
@@ -61,8 +61,15 @@ class ModuleBuilder:
         b.ret_void()
 
     # --- elementwise loops -------------------------------------------------------------------
-    def _loop_kernel(self, b: ll.IRBuilder, table: ll.Value, shape_meta: TensorMeta, out: Access,
-                     body: tuple[Node, ...], override: dict[str, Access]) -> None:
+    def _loop_kernel(
+        self,
+        b: ll.IRBuilder,
+        table: ll.Value,
+        shape_meta: TensorMeta,
+        out: Access,
+        body: tuple[Node, ...],
+        override: dict[str, Access],
+    ) -> None:
         """Emit `body` over `shape_meta.shape`, storing the last value at `out`."""
         if shape_meta.numel == 0:
             return
@@ -149,8 +156,9 @@ class ModuleBuilder:
         if k.body:
             self._loop_kernel(b, table, k.meta, c, k.body, {acc_name: c})
 
-    def _sgemm_call(self, b: ll.IRBuilder, table: ll.Value, blas: dict, m1: Access, m2: Access,
-                    c: Access, beta: float) -> None:
+    def _sgemm_call(
+        self, b: ll.IRBuilder, table: ll.Value, blas: dict, m1: Access, m2: Access, c: Access, beta: float
+    ) -> None:
         a, bm = (m2, m1) if blas["swap"] else (m1, m2)
 
         def ptr_of(acc: Access) -> ll.Value:
@@ -164,11 +172,19 @@ class ModuleBuilder:
 
         t = lambda flag: I8(ord("T" if flag else "N"))  # noqa: E731
         args = [
-            ref(I8, t(blas["ta"])), ref(I8, t(blas["tb"])),
-            ref(I32, I32(blas["m"])), ref(I32, I32(blas["n"])), ref(I32, I32(blas["k"])),
-            ref(F32, F32(1.0)), ptr_of(a), ref(I32, I32(blas["lda"])),
-            ptr_of(bm), ref(I32, I32(blas["ldb"])),
-            ref(F32, F32(beta)), ptr_of(c), ref(I32, I32(blas["ldc"])),
+            ref(I8, t(blas["ta"])),
+            ref(I8, t(blas["tb"])),
+            ref(I32, I32(blas["m"])),
+            ref(I32, I32(blas["n"])),
+            ref(I32, I32(blas["k"])),
+            ref(F32, F32(1.0)),
+            ptr_of(a),
+            ref(I32, I32(blas["lda"])),
+            ptr_of(bm),
+            ref(I32, I32(blas["ldb"])),
+            ref(F32, F32(beta)),
+            ptr_of(c),
+            ref(I32, I32(blas["ldc"])),
         ]
         b.call(self.declare("sgemm_", VOID, [PTR] * 13), args)
 
@@ -209,8 +225,9 @@ def _loop_dims(shape: tuple[int, ...], metas: list[TensorMeta], out: TensorMeta)
     return dims
 
 
-def _nest(b: ll.IRBuilder, dims: list[_Dim], lo: ll.Value, hi: ll.Value,
-          inner: Callable[[ll.IRBuilder, list[ll.Value]], None]) -> None:
+def _nest(
+    b: ll.IRBuilder, dims: list[_Dim], lo: ll.Value, hi: ll.Value, inner: Callable[[ll.IRBuilder, list[ll.Value]], None]
+) -> None:
     """Loop nest over `dims`; the outermost runs [lo, hi). Merged dims use one linear index."""
     if not dims:
         inner(b, [])

@@ -43,7 +43,9 @@ def _fusion(prog: Program) -> str:
         elif n.op is Op.GEMM:
             epi = " -> ".join(b.op.value for b in n.body)
             bias = "bias + " if n.inputs[2] is not None else ""
-            lines.append(f"  {n.name}: sgemm_ {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else ""))
+            lines.append(
+                f"  {n.name}: sgemm_ {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else "")
+            )
     return "\n".join(lines) or "  (no native kernels)"
 
 
@@ -72,9 +74,14 @@ def sections(prog: Program, captured_graph: Any) -> dict[str, str]:
 
 
 _LEVEL = {
-    "compile time per stage": 1, "native vs ATen": 1, "fusion groups": 1,
-    "captured graph (torch.fx)": 2, "IR after lowering": 2, "LLVM IR": 4,
-    "optimised LLVM IR": 5, "assembly": 6,
+    "compile time per stage": 1,
+    "native vs ATen": 1,
+    "fusion groups": 1,
+    "captured graph (torch.fx)": 2,
+    "IR after lowering": 2,
+    "LLVM IR": 4,
+    "optimised LLVM IR": 5,
+    "assembly": 6,
 }
 
 

@@ -180,11 +180,11 @@ def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
 def _verify_elementwise(n: Node, metas: dict[str, TensorMeta | None]) -> None:
     _check(n.meta is not None, f"{n.name}: elementwise node without meta")
     shapes = [metas[i].shape for i in n.value_inputs() if metas.get(i) is not None]
-    if shapes:
-        _check(
-            broadcast_shape(*shapes, n.meta.shape) == n.meta.shape,
-            f"{n.name}: inputs {shapes} do not broadcast to {n.meta.shape}",
-        )
+    try:
+        ok = broadcast_shape(*shapes, n.meta.shape) == n.meta.shape
+    except RuntimeError:
+        ok = False
+    _check(ok, f"{n.name}: inputs {shapes} do not broadcast to {n.meta.shape}")
 
 
 def _verify_body(owner: Node, metas: dict[str, TensorMeta | None]) -> None:

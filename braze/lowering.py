@@ -10,8 +10,9 @@ the value they change is braze's own intermediate; changing an input or a view i
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -314,8 +315,6 @@ def _fn_name(fn: Any) -> str:
     return f"{mod.replace('torch.nn.functional', 'F')}.{getattr(fn, '__name__', fn)}".lstrip(".")
 
 
-
-
 # --- the registry ------------------------------------------------------------------------------
 # A row takes (lowerer, fn, args, kwargs, meta result) and returns a Sym, or raises NotNative.
 
@@ -364,7 +363,7 @@ def _leaky_relu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
 def _clamp_bounds(lw: Lowerer, lo: Any, hi: Any, x: Any, out: Any) -> Sym:
     if isinstance(lo, Sym) or isinstance(hi, Sym):
         raise NotNative("tensor bounds")
-    bound = (lambda v: None if v is None else lw._operand(v, False))
+    bound = lambda v: None if v is None else lw._operand(v, False)
     return lw.elementwise(Op.CLAMP, (x,), out, lo=bound(lo), hi=bound(hi))
 
 
@@ -397,7 +396,9 @@ def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
 
 
 def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    training = fn.training if isinstance(fn, torch.nn.Module) else kwargs.get("training", args[2] if len(args) > 2 else True)
+    training = (
+        fn.training if isinstance(fn, torch.nn.Module) else kwargs.get("training", args[2] if len(args) > 2 else True)
+    )
     if training:
         raise NotNative("dropout in training mode is random")
     return args[0]
@@ -585,8 +586,27 @@ def _rows() -> None:
     for op, keys in {
         Op.ADD: (operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__iadd__", "__radd__"),
         Op.SUB: (operator.sub, operator.isub, torch.sub, torch.subtract, "sub", "sub_", "__sub__", "__isub__"),
-        Op.MUL: (operator.mul, operator.imul, torch.mul, torch.multiply, "mul", "mul_", "__mul__", "__imul__", "__rmul__"),
-        Op.DIV: (operator.truediv, operator.itruediv, torch.div, torch.true_divide, "div", "div_", "__truediv__", "__itruediv__"),
+        Op.MUL: (
+            operator.mul,
+            operator.imul,
+            torch.mul,
+            torch.multiply,
+            "mul",
+            "mul_",
+            "__mul__",
+            "__imul__",
+            "__rmul__",
+        ),
+        Op.DIV: (
+            operator.truediv,
+            operator.itruediv,
+            torch.div,
+            torch.true_divide,
+            "div",
+            "div_",
+            "__truediv__",
+            "__itruediv__",
+        ),
         Op.MAXIMUM: (torch.maximum, "maximum"),
         Op.MINIMUM: (torch.minimum, "minimum"),
     }.items():
@@ -603,11 +623,33 @@ def _rows() -> None:
     register(nn.Identity)(_identity)
     register(F.dropout, nn.Dropout)(_dropout)
     register(
-        torch.reshape, torch.flatten, torch.transpose, torch.permute, torch.t, torch.unsqueeze,
-        torch.squeeze, torch.swapaxes, torch.movedim, torch.narrow,
-        "view", "reshape", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
-        "expand", "expand_as", "contiguous", "view_as", "reshape_as", "swapaxes", "narrow",
-        "movedim", "unflatten",
+        torch.reshape,
+        torch.flatten,
+        torch.transpose,
+        torch.permute,
+        torch.t,
+        torch.unsqueeze,
+        torch.squeeze,
+        torch.swapaxes,
+        torch.movedim,
+        torch.narrow,
+        "view",
+        "reshape",
+        "flatten",
+        "transpose",
+        "permute",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "contiguous",
+        "view_as",
+        "reshape_as",
+        "swapaxes",
+        "narrow",
+        "movedim",
+        "unflatten",
     )(_view_op)
     register(nn.Flatten, nn.Unflatten)(_view_op)
     register(operator.getitem, "__getitem__")(_getitem)

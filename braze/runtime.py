@@ -250,8 +250,14 @@ class _RunnerWriter:
         body = head + self.lines
         guard = self._guard(args, params)
         sig = ", ".join(args)
-        run = [f"def run({', '.join([a + '=MISS' for a in args] + ['*rest'])}):", "    try:",
-               f"        if {guard}:", "            return MISS", "    except Exception:", "        return MISS"]
+        run = [
+            f"def run({', '.join([a + '=MISS' for a in args] + ['*rest'])}):",
+            "    try:",
+            f"        if {guard}:",
+            "            return MISS",
+            "    except Exception:",
+            "        return MISS",
+        ]
         return "\n".join([f"def body({sig}):", *body, "", *run, *body]) + "\n"
 
     def _guard(self, args: list[str], params: list[str]) -> str:
@@ -264,8 +270,13 @@ class _RunnerWriter:
             checks.append(f"(_grad_on() and ({' or '.join(grads)}))")
         for a, v in zip(args, gd.args):
             if isinstance(v, torch.Tensor):
-                checks += [f"type({a}) not in _TT", f"not {a}.is_cpu", f"{a}.dtype is not {self.const(v.dtype)}",
-                           f"{a}.shape != {tuple(v.shape)}", f"{a}.stride() != {tuple(v.stride())}"]
+                checks += [
+                    f"type({a}) not in _TT",
+                    f"not {a}.is_cpu",
+                    f"{a}.dtype is not {self.const(v.dtype)}",
+                    f"{a}.shape != {tuple(v.shape)}",
+                    f"{a}.stride() != {tuple(v.stride())}",
+                ]
             else:
                 checks += [f"type({a}) is not {self.const(type(v))}", f"{a} != {self.const(v)}"]
         if gd.module is not None:

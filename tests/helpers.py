@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -44,8 +45,16 @@ def _clone(x: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
 
 
-def check_model(fn: Callable[..., Any], inputs: tuple, *, kernels: int | None = None, externs: int | None = None,
-                grad: bool = False, compiled: Any = None, fallback: bool = False) -> braze.CompiledModule:
+def check_model(
+    fn: Callable[..., Any],
+    inputs: tuple,
+    *,
+    kernels: int | None = None,
+    externs: int | None = None,
+    grad: bool = False,
+    compiled: Any = None,
+    fallback: bool = False,
+) -> braze.CompiledModule:
     """Run `fn` eagerly and through braze on the same inputs; outputs must match exactly.
 
     kernels / externs: how many native kernels / ATen calls the program must have, so a test

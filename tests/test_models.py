@@ -66,7 +66,12 @@ def test_zero_batch_and_one_row():
 
 @pytest.mark.parametrize(
     "bad",
-    [torch.randn(8, 63), torch.randn(8, 64, dtype=torch.float64), torch.randint(0, 3, (8, 64)), torch.randn(2, 3, 4, 5)],
+    [
+        torch.randn(8, 63),
+        torch.randn(8, 64, dtype=torch.float64),
+        torch.randint(0, 3, (8, 64)),
+        torch.randn(2, 3, 4, 5),
+    ],
     ids=["feature-size", "float64", "int64", "rank4-wrong"],
 )
 def test_bad_inputs_raise_what_eager_raises(bad):
@@ -270,8 +275,16 @@ def test_unknown_modules_run_through_aten_inside_the_program():
 
 def test_explain_reports_every_stage():
     report = braze.explain(lesson(), torch.randn(32, 64))
-    for section in ["captured graph", "IR after lowering", "IR after fuse_epilogue", "fusion groups",
-                    "native vs ATen", "LLVM IR", "assembly", "compile time per stage"]:
+    for section in [
+        "captured graph",
+        "IR after lowering",
+        "IR after fuse_epilogue",
+        "fusion groups",
+        "native vs ATen",
+        "LLVM IR",
+        "assembly",
+        "compile time per stage",
+    ]:
         assert section in report
     assert "sgemm_" in report.sections["LLVM IR"]
     assert " fast " not in report.sections["optimised LLVM IR"]  # strict mode: no fast-math flags
@@ -293,3 +306,18 @@ def test_residual_mlp_block():
             return x + self.down(F.leaky_relu(self.up(x), 0.1)).clamp(-1, 1)
 
     check_model(Block().eval(), (torch.randn(7, 33),), kernels=2, externs=0)
+
+
+def test_random_numbers_drawn_inside_forward_stay_random():
+    def f(x):
+        return x + torch.randn(4)  # FX alone would freeze this into a constant
+
+    compiled = braze.compile(f)
+    x = torch.zeros(4)
+    torch.manual_seed(3)
+    expected = [f(x) for _ in range(2)]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        actual = [compiled(x) for _ in range(2)]
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert not torch.equal(actual[0], actual[1])

@@ -67,7 +67,9 @@ def test_where_native_with_bool_input():
 
 
 @pytest.mark.parametrize("name,fn,arity", [r for r in NATIVE if r[2] == 2], ids=[r[0] for r in NATIVE if r[2] == 2])
-@pytest.mark.parametrize("shapes", [((33, 1), (1, 7)), ((7, 33), (33,)), ((1,), (5, 4, 3)), ((2, 1, 4), (3, 1))], ids=str)
+@pytest.mark.parametrize(
+    "shapes", [((33, 1), (1, 7)), ((7, 33), (33,)), ((1,), (5, 4, 3)), ((2, 1, 4), (3, 1))], ids=str
+)
 def test_broadcasting(name, fn, arity, shapes):
     check_model(fn, tuple(special(*s) for s in shapes))
 
@@ -75,10 +77,8 @@ def test_broadcasting(name, fn, arity, shapes):
 @pytest.mark.parametrize("name,fn,arity", NATIVE[:8], ids=[r[0] for r in NATIVE[:8]])
 def test_non_contiguous_inputs(name, fn, arity):
     base = [special(33, 40) for _ in range(arity)]
-    views = [b.t() for b in base[:1]] + [b[:, ::2].t()[:33] if False else b.t() for b in base[1:]]
-    check_model(fn, tuple(views))  # outputs follow the inputs' layout, as TensorIterator does
-    sliced = tuple(b[::2, 1::3] for b in base)
-    check_model(fn, sliced)
+    check_model(fn, tuple(b.t() for b in base))  # outputs follow the inputs' layout, as in eager
+    check_model(fn, tuple(b[::2, 1::3] for b in base))
 
 
 def test_mixed_layouts():
@@ -116,12 +116,22 @@ def test_returning_inputs_and_views_of_inputs():
 # Ops eager computes with its own vectorised math (Sleef, reductions): braze calls ATen for
 # them inside the program, so the answer is eager's by construction.
 EXTERN = [
-    ("gelu", F.gelu), ("tanh", torch.tanh), ("sigmoid", torch.sigmoid), ("silu", F.silu),
-    ("softplus", F.softplus), ("elu", F.elu), ("mish", F.mish),
-    ("softmax", lambda x: torch.softmax(x, -1)), ("log_softmax", lambda x: F.log_softmax(x, -1)),
+    ("gelu", F.gelu),
+    ("tanh", torch.tanh),
+    ("sigmoid", torch.sigmoid),
+    ("silu", F.silu),
+    ("softplus", F.softplus),
+    ("elu", F.elu),
+    ("mish", F.mish),
+    ("softmax", lambda x: torch.softmax(x, -1)),
+    ("log_softmax", lambda x: F.log_softmax(x, -1)),
     ("layer_norm", lambda x: F.layer_norm(x, x.shape[-1:])),
-    ("sum", lambda x: x.sum(-1)), ("mean", lambda x: x.mean()), ("amax", lambda x: x.amax(0)),
-    ("cat", lambda x: torch.cat([x, x * 2], 0)), ("pow", lambda x: x**2), ("exp", torch.exp),
+    ("sum", lambda x: x.sum(-1)),
+    ("mean", lambda x: x.mean()),
+    ("amax", lambda x: x.amax(0)),
+    ("cat", lambda x: torch.cat([x, x * 2], 0)),
+    ("pow", lambda x: x**2),
+    ("exp", torch.exp),
 ]
 
 

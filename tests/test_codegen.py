@@ -1,0 +1,58 @@
+"""The LLVM stage: what the generated code looks like and that it is strict IEEE code."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+import braze
+from braze import config
+
+from .helpers import check_model
+
+
+def report(fn, *inputs):
+    return braze.explain(fn, *inputs).sections
+
+
+def test_strict_mode_emits_no_fast_math_flags():
+    llvm = report(lambda x, y: torch.relu(x * y + 1.5) / y, torch.randn(64), torch.randn(64))
+    for flag in (" fast ", " nnan ", " ninf ", " nsz ", " arcp ", " contract ", " afn ", " reassoc "):
+        assert flag not in llvm["LLVM IR"] and flag not in llvm["optimised LLVM IR"]
+    assert "fmuladd" not in llvm["optimised LLVM IR"]  # no contraction of x * y + 1.5 into an FMA
+
+
+def test_one_loop_per_fused_kernel_and_one_function_per_segment():
+    s = report(lambda x: torch.tanh((x + 1) * 2) - 3, torch.randn(100))
+    ir = s["LLVM IR"]
+    assert len(re.findall(r"define internal void @\"loop\d+\"", ir)) == 2
+    assert len(re.findall(r"define void @\"seg\d+\"", ir)) == 2  # the extern tanh splits them
+
+
+def test_contiguous_loops_are_vectorised():
+    opt = report(lambda x: x * 2 + 1, torch.randn(1000))["optimised LLVM IR"]
+    assert re.search(r"<\d+ x float>", opt), "the loop should use vector instructions"
+    assert "ymm" in report(lambda x: x * 2 + 1, torch.randn(1000))["assembly"]
+
+
+def test_large_loops_run_on_the_openmp_team():
+    big = torch.randn(1 << 16)
+    assert "GOMP_parallel" in report(lambda x: x.relu(), big)["LLVM IR"]
+    assert "GOMP_parallel" not in report(lambda x: x.relu(), big[:100])["LLVM IR"]
+    with config.patch(parallel_threshold=1 << 30):
+        assert "GOMP_parallel" not in report(lambda x: x.relu(), big)["LLVM IR"]
+    check_model(lambda x: (x * 3).relu() - x, (big,), kernels=1)
+
+
+def test_gemm_calls_mkl_with_atens_arguments():
+    w, b = torch.randn(10, 64), torch.randn(10)
+    ir = report(lambda x: F.linear(x, w, b), torch.randn(32, 64))["LLVM IR"]
+    assert ir.count('call void @"sgemm_"') == 1
+
+
+def test_compile_times_are_recorded_per_stage():
+    names = [n for n, _ in braze.explain(lambda x: x + 1, torch.randn(3)).program.timings]
+    for stage in ("capture", "lower", "pass.fuse_elementwise", "codegen", "llvm.optimize", "llvm.machine_code"):
+        assert stage in names

@@ -1,0 +1,75 @@
+"""Passes on lowered graphs, without LLVM: fusion decisions and the memory plan."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from braze import capture
+from braze.ir import Op
+from braze.lowering import lower
+from braze.passes import PIPELINE, dce, fuse_elementwise, fuse_epilogue, plan_memory, run_passes
+
+
+def lowered(fn, *inputs):
+    return lower(capture.trace(fn, len(inputs)), inputs)
+
+
+def test_pass_manager_records_every_pass_and_its_time():
+    graph, log = run_passes(lowered(lambda x: x * 2 + 1, torch.randn(4)).graph, check=True)
+    assert [r.name for r in log.records] == [p.__name__ for p in PIPELINE]
+    assert all(ms >= 0 for _, ms in log.timings())
+    assert graph.count(Op.FUSED) == 1
+
+
+def test_dce_keeps_externs_and_drops_dead_pure_nodes():
+    def f(x):
+        x * 2, torch.rand_like(x)  # both dead; only the random op must stay
+        return x + 1
+
+    out = dce(lowered(f, torch.randn(4)).graph)
+    assert out.count(Op.MUL) == 0 and out.count(Op.EXTERN) == 1 and out.count(Op.ADD) == 1
+
+
+def test_chain_fuses_into_one_loop_but_shared_values_do_not():
+    g = fuse_elementwise(dce(lowered(lambda x: ((x + 1) * 2).relu(), torch.randn(8)).graph))
+    assert g.count(Op.FUSED) == 1 and [b.op for b in g.nodes[-1].body] == [Op.ADD, Op.MUL, Op.RELU]
+    g = fuse_elementwise(dce(lowered(lambda x: (lambda t: (t.relu(), t.abs()))(x + 1), torch.randn(8)).graph))
+    assert g.count(Op.FUSED) == 3  # x + 1 has two users: it is stored once, read twice
+
+
+def test_broadcast_producer_is_not_fused_into_a_bigger_loop():
+    g = fuse_elementwise(lowered(lambda x, y: (x * 2) + y, torch.randn(8), torch.randn(4, 8)).graph)
+    assert g.count(Op.FUSED) == 2
+
+
+def test_epilogue_joins_the_gemm_only_when_it_is_the_only_user():
+    w, b = torch.randn(16, 16), torch.randn(16)
+    g = fuse_epilogue(fuse_elementwise(dce(lowered(lambda x: F.linear(x, w, b).relu() + x, torch.randn(4, 16)).graph)))
+    assert g.count(Op.GEMM) == 1 and g.count(Op.FUSED) == 0
+    g = fuse_epilogue(
+        fuse_elementwise(dce(lowered(lambda x: (lambda y: (y.relu(), y))(F.linear(x, w, b)), torch.randn(4, 16)).graph))
+    )
+    assert g.count(Op.FUSED) == 1 and not next(n for n in g.nodes if n.op is Op.GEMM).body
+
+
+def test_memory_plan_reuses_scratch_buffers():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(6)]).eval()
+    graph, _ = run_passes(lowered(model, torch.randn(8, 32)).graph)
+    stores = [n.attrs["store"] for n in graph.nodes if n.op is Op.GEMM]
+    assert stores[-1] == "out"
+    buffers = {s[1] for s in stores[:-1]}
+    assert len(stores) == 6 and len(buffers) == 2  # ping-pong, not one buffer per layer
+
+
+def test_elementwise_writes_over_an_input_that_dies():
+    graph, _ = run_passes(lowered(lambda x: (x @ x).abs().t().contiguous().relu(), torch.randn(8, 8)).graph)
+    tmp = {n.name: n.attrs["store"] for n in graph.nodes if isinstance(n.attrs["store"], tuple)}
+    assert len(set(tmp.values())) == 1, tmp  # gemm result, its copy and the loop share one buffer
+
+
+def test_plan_marks_views_and_outputs():
+    graph = plan_memory(lowered(lambda x: (x + 1).t(), torch.randn(3, 4)).graph)
+    by = {n.op: n.attrs["store"] for n in graph.nodes}
+    assert by[Op.VIEW] == "alias" and by[Op.ADD] == "out" and by[Op.INPUT] == "input"

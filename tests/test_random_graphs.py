@@ -1,0 +1,57 @@
+"""Hypothesis draws random MLP-family graphs; every one must match eager exactly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .helpers import check_model
+
+ACTS = {
+    "relu": torch.relu,
+    "leaky": lambda t: F.leaky_relu(t, 0.05),
+    "clamp": lambda t: t.clamp(-0.3, 0.4),
+    "hardtanh": F.hardtanh,
+    "neg_abs": lambda t: -t.abs(),
+    "scale": lambda t: t * 0.25 + 1,
+    "gelu": F.gelu,  # an ATen call inside the program
+    "tanh": torch.tanh,
+}
+
+
+class RandomMLP(nn.Module):
+    def __init__(self, widths: list[int], acts: list[str], bias: list[bool], residual: list[bool]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=c) for a, b, c in zip(widths, widths[1:], bias))
+        self.acts, self.residual = acts, residual
+
+    def forward(self, x):
+        for layer, act, res in zip(self.layers, self.acts, self.residual):
+            y = ACTS[act](layer(x))
+            x = y + x if res and y.shape == x.shape else y
+        return x
+
+
+@st.composite
+def mlps(draw):
+    depth = draw(st.integers(1, 4))
+    widths = draw(st.lists(st.sampled_from([1, 7, 33, 64]), min_size=depth + 1, max_size=depth + 1))
+    acts = draw(st.lists(st.sampled_from(sorted(ACTS)), min_size=depth, max_size=depth))
+    bias = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
+    residual = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
+    batch = draw(st.sampled_from([(1,), (7,), (33,), (2, 5)]))
+    transpose = draw(st.booleans()) and len(batch) == 1
+    return RandomMLP(widths, acts, bias, residual).eval(), batch, transpose
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mlps(), st.integers(0, 2**31 - 1))
+def test_random_mlps_match_eager(case, seed):
+    model, batch, transpose = case
+    torch.manual_seed(seed)
+    width = model.layers[0].in_features
+    x = torch.randn(width, *batch).t() if transpose else torch.randn(*batch, width)
+    check_model(model, (x,))
