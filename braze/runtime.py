@@ -152,6 +152,7 @@ class Program:
 
     def _namespace(self, lowered: Lowered, consts: dict[str, Any]) -> dict[str, Any]:
         ns: dict[str, Any] = {"_empty": torch.empty_strided, "MISS": MISS, "_ws": self.workspace, **consts}
+        ns["_local"] = self._local
         ns.update({f"_seg{i}": f for i, f in enumerate(self._fns)})
         ns.update({f"_p{i}": p for i, p in enumerate(self.params)})
         ns["_spec"] = lowered.out_spec
@@ -225,7 +226,7 @@ class _RunnerWriter:
         params = [f"_p{i}" for i in range(len(prog.params))]
         moved = [f"{p}.data_ptr() != {t.data_ptr()}" for p, t in zip(params, prog.params)]
         head = [f"    if {' or '.join(moved)}:", "        return MISS"] if moved else []
-        head += ["    ws = _ws()", "    t = ws.table"]
+        head += ["    try:", "        ws = _local.ws", "    except AttributeError:", "        ws = _ws()", "    t = ws.table"]
         for n in g.nodes:
             if n.op is Op.INPUT:
                 self.expr[n.name] = f"a{n.attrs['index']}"
