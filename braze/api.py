@@ -10,6 +10,8 @@ compiles; a call that needs autograd, or that braze cannot compile, runs eagerly
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import functools
 import inspect
 import threading
@@ -49,6 +51,19 @@ class BrazeWarning(UserWarning):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Compiling allocates thousands of small objects; a full collection of torch's heap in the
+    middle would add ~100 ms to a first call that otherwise takes tens. Collect later instead."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
@@ -194,7 +209,7 @@ class CompiledModule:
         return self.fn(*args, **kwargs)
 
     def _compile(self, key: tuple, args: tuple) -> Any:
-        with self._lock:
+        with self._lock, _no_gc():
             if key in self._cache:
                 return self._cache[key]
             entry = self._build(args)

@@ -165,8 +165,9 @@ class ModuleBuilder:
             base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
             return b.gep(base, [I64(acc.meta.offset)], source_etype=F32)
 
-        def ref(ty: ll.Type, v: ll.Constant) -> ll.Value:
-            slot = b.alloca(ty)
+        def ref(ty: ll.Type, v: ll.Constant) -> ll.Value:  # Fortran passes scalars by reference
+            with b.goto_entry_block():
+                slot = b.alloca(ty)
             b.store(v, slot)
             return slot
 

@@ -226,7 +226,13 @@ class _RunnerWriter:
         params = [f"_p{i}" for i in range(len(prog.params))]
         moved = [f"{p}.data_ptr() != {t.data_ptr()}" for p, t in zip(params, prog.params)]
         head = [f"    if {' or '.join(moved)}:", "        return MISS"] if moved else []
-        head += ["    try:", "        ws = _local.ws", "    except AttributeError:", "        ws = _ws()", "    t = ws.table"]
+        head += [
+            "    try:",
+            "        ws = _local.ws",
+            "    except AttributeError:",
+            "        ws = _ws()",
+            "    t = ws.table",
+        ]
         for n in g.nodes:
             if n.op is Op.INPUT:
                 self.expr[n.name] = f"a{n.attrs['index']}"

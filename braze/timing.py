@@ -1,0 +1,84 @@
+"""Honest timing on a noisy machine: interleaved rounds, per-round ratios, medians.
+
+Used by `braze demo` and `braze bench`; not part of compiling anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Timing:
+    rounds: list[float] = field(default_factory=list)  # microseconds per call, one per round
+
+    @property
+    def us(self) -> float:
+        """The steady-state time: the fastest round (the least disturbed by other work)."""
+        return min(self.rounds)
+
+
+class Comparison(dict):
+    def speedup(self, name: str, base: str) -> float:
+        """Median over rounds of base/name, each ratio from one round (so drift cancels)."""
+        return statistics.median(b / a for a, b in zip(self[name].rounds, self[base].rounds))
+
+
+def _per_call_us(fn: Callable[..., Any], args: tuple, seconds: float) -> float:
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*args)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return elapsed / n * 1e6
+        n = max(n * 2, int(n * seconds / max(elapsed, 1e-9) * 1.1))
+
+
+def compare(fns: dict[str, Callable[..., Any]], args: tuple, rounds: int = 15, seconds: float = 0.05) -> Comparison:
+    """Time each function on `args`, interleaved: every round runs each once, in rotating order."""
+    out = Comparison({name: Timing() for name in fns})
+    names = list(fns)
+    for fn in fns.values():  # warm-up (and compile)
+        fn(*args)
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            out[name].rounds.append(_per_call_us(fns[name], args, seconds))
+    return out
+
+
+def blas_only_us(prog: Any, *args: Any, rounds: int = 15, seconds: float = 0.05) -> float:
+    """Microseconds the program's sgemm_ calls take alone, with the same arguments and buffers.
+
+    Built from the program's own GEMM nodes with bias and epilogue removed, so `braze call -
+    this` is everything braze adds: guards, allocation, pointer set-up, loops, the ctypes call.
+    """
+    from .codegen import ModuleBuilder, Segment
+    from .ir import Op
+    from .jit import compile_module
+    from .runtime import _VOID_FN
+
+    gemms = [n for s in prog.segments for n in s.kernels if n.op is Op.GEMM]
+    if not gemms:
+        return 0.0
+    bare = [dataclasses.replace(n, inputs=n.inputs[:2] + (None,), attrs={**n.attrs, "body": ()}) for n in gemms]
+    mb = ModuleBuilder("blas_only", prog._access, 1 << 62)
+    mb.segment(Segment("blas_only", bare))
+    mb.segment(Segment("empty", []))
+    addr = compile_module(str(mb.module), ["blas_only", "empty"], 2, False).addresses
+    blas, empty = _VOID_FN(addr["blas_only"]), _VOID_FN(addr["empty"])
+    keep = prog.body(*args)  # fills the slot table with live buffers
+    ws = prog.workspace()
+    # The ctypes call itself is braze's overhead, not BLAS time: subtract an empty native call.
+    best = min(
+        _per_call_us(blas, (ws.addr,), seconds) - _per_call_us(empty, (ws.addr,), seconds) for _ in range(rounds)
+    )
+    del keep
+    return best
