@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import functools
+import gc
 import inspect
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
