@@ -46,6 +46,10 @@ for _hook in (
     _hook(_bump)
 
 
+if config.gc_freeze:
+    gc.freeze()
+
+
 class BrazeWarning(UserWarning):
     pass
 

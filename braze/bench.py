@@ -1,13 +1,428 @@
-"""`braze bench` (placeholder until the benchmark lands)."""
+"""`braze bench`: braze beside eager, Inductor, TorchScript and ONNX Runtime, on one machine, in one run.
+
+Per model x backend it measures
+  first_call_s       wrapping + first output, in a fresh subprocess with an empty compile cache
+  first_call_warm_s  the same again with the cache that run left (backends that have one)
+  steady_us          per-call time, fastest of interleaved rounds (each a loop of >= 0.2 s)
+  speedup_vs_eager   median over the same rounds of eager's time / this backend's
+  equal, max_abs_diff  against eager's output on the same inputs
+  peak_rss_mb        of the fresh subprocess
+and writes DIR/results.json, DIR/results.png and a table on the terminal.
+
+Extra backends can be added by a module named in BRAZE_BENCH_PLUGINS (comma-separated) that
+calls `register_backend`; the harness's own test uses this to add a deliberately slow one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import timing
+
+# --- models -------------------------------------------------------------------------------------
+
+
+def _lesson() -> tuple[torch.nn.Module, tuple]:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return model, (torch.randn(32, 64),)
+
+
+class _WideMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)
+        self.norm = torch.nn.LayerNorm(1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def _mlp_wide() -> tuple[torch.nn.Module, tuple]:
+    return _WideMLP(), (torch.randn(256, 1024),)
+
+
+def _cnn_small() -> tuple[torch.nn.Module, tuple]:
+    def block(cin: int, cout: int) -> list[torch.nn.Module]:
+        return [torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.BatchNorm2d(cout), torch.nn.ReLU()]
+
+    nn = torch.nn
+    layers = block(3, 32) + block(32, 64) + [nn.MaxPool2d(2)] + block(64, 64) + block(64, 128) + [nn.MaxPool2d(2)]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+    return model, (torch.randn(8, 3, 64, 64),)
+
+
+def _transformer_layer() -> tuple[torch.nn.Module, tuple]:
+    layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True, dropout=0)
+    return layer, (torch.randn(4, 128, 256),)
+
+
+def _bert_tiny() -> tuple[torch.nn.Module, tuple]:
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=1000
+    )
+    return BertModel(cfg), (torch.randint(0, 1000, (4, 64)),)
+
+
+def _gpt2_tiny() -> tuple[torch.nn.Module, tuple]:
+    from transformers import GPT2Config, GPT2Model
+
+    return GPT2Model(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000)), (torch.randint(0, 1000, (2, 128)),)
+
+
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
+    "lesson": _lesson,
+    "mlp-wide": _mlp_wide,
+    "cnn-small": _cnn_small,
+    "transformer-layer": _transformer_layer,
+    "bert-tiny": _bert_tiny,
+    "gpt2-tiny": _gpt2_tiny,
+}
+NEEDS_TRANSFORMERS = {"bert-tiny", "gpt2-tiny"}
+QUICK = ["lesson", "mlp-wide"]
+
+
+def build_model(name: str) -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    return model.eval(), inputs
+
+
+# --- backends -----------------------------------------------------------------------------------
+# Each takes (model, inputs) and returns a callable of the inputs; the clock runs while it
+# does so and until the first output. `has_cache` says whether first_call_warm_s means anything.
+
+
+def _eager(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    return model
+
+
+def _braze(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    import braze
+
+    return braze.compile(model)
+
+
+def _inductor(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    return torch.compile(model)
+
+
+def _torchscript(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    with torch.no_grad():
+        traced = torch.jit.trace(model, inputs, check_trace=False, strict=False)
+        return torch.jit.freeze(traced)
+
+
+def _onnxruntime(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    import onnxruntime as ort
+
+    path = os.path.join(tempfile.mkdtemp(prefix="braze-onnx-"), "model.onnx")
+    names = [f"input{i}" for i in range(len(inputs))]
+    with torch.no_grad():
+        torch.onnx.export(model, inputs, path, input_names=names, dynamo=False)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+    def run(*xs: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(sess.run(None, {n: x.numpy() for n, x in zip(names, xs)})[0])
+
+    return run
+
+
+BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool, str | None]] = {
+    # name: (prepare, has a compile cache, module it needs)
+    "eager": (_eager, False, None),
+    "braze": (_braze, False, None),
+    "inductor": (_inductor, True, None),
+    "torchscript": (_torchscript, False, None),
+    "onnxruntime": (_onnxruntime, False, "onnxruntime"),
+}
+
+
+def register_backend(name: str, prepare: Callable[..., Callable[..., Any]], has_cache: bool = False) -> None:
+    BACKENDS[name] = (prepare, has_cache, None)
+
+
+def _load_plugins() -> None:
+    for mod in filter(None, os.environ.get("BRAZE_BENCH_PLUGINS", "").split(",")):
+        importlib.import_module(mod)
+
+
+def _available(module: str | None) -> bool:
+    if module is None:
+        return True
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The output compared across backends (the first tensor: last_hidden_state for HF models)."""
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    return next(t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def _first_call_worker(model_name: str, backend: str) -> dict[str, Any]:
+    """Runs in a fresh process: the time from wrapping to the first output, and peak RSS."""
+    model, inputs = build_model(model_name)
+    prepare = BACKENDS[backend][0]
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        fn = prepare(model, inputs)
+        out = fn(*inputs)
+        elapsed = time.perf_counter() - t0
+        first_tensor(out)
+    return {"first_call_s": elapsed, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _run_worker(model: str, backend: str, cache_dir: str, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "braze.bench", "--worker", model, backend]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"first call did not finish in {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"first call failed: {tail[:300]}"}
+    return json.loads(lines[-1])
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import braze
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "braze": braze.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+class Progress:
+    """One line on stderr: step k of n, what runs now, elapsed time."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            bar = "#" * int(20 * self.done / self.total)
+            sys.stderr.write(
+                f"\r[{bar:<20}] {self.done}/{self.total} {time.perf_counter() - self.t0:6.0f} s  {what:<50}"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _empty_row(model: str, backend: str) -> dict[str, Any]:
+    keys = ("first_call_s", "first_call_warm_s", "steady_us", "speedup_vs_eager", "equal", "max_abs_diff")
+    return {"model": model, "backend": backend, **dict.fromkeys(keys), "peak_rss_mb": None, "error": None}
+
+
+def bench_model(
+    name: str, backends: list[str], rounds: int, seconds: float, progress: Progress, timeout: float
+) -> list[dict[str, Any]]:
+    rows = {b: _empty_row(name, b) for b in backends}
+    for b in backends:  # first calls, each in a fresh process
+        with tempfile.TemporaryDirectory(prefix="braze-bench-cache-") as cache:
+            progress.step(f"{name} x {b}: first call")
+            cold = _run_worker(name, b, cache, timeout)
+            rows[b].update({k: cold.get(k) for k in ("first_call_s", "peak_rss_mb")})
+            rows[b]["error"] = cold.get("error")
+            if BACKENDS[b][1] and "error" not in cold:
+                progress.step(f"{name} x {b}: first call, warm cache")
+                rows[b]["first_call_warm_s"] = _run_worker(name, b, cache, timeout).get("first_call_s")
+    _steady(name, backends, rows, rounds, seconds, progress)
+    return list(rows.values())
+
+
+def _steady(name: str, backends: list[str], rows: dict, rounds: int, seconds: float, progress: Progress) -> None:
+    model, inputs = build_model(name)
+    fns: dict[str, Callable[..., Any]] = {}
+    with torch.no_grad():
+        reference = first_tensor(model(*inputs))
+        for b in backends:
+            if rows[b]["error"] and b != "eager":
+                continue
+            progress.step(f"{name} x {b}: compile for timing")
+            try:
+                fn = BACKENDS[b][0](model, inputs)
+                out = first_tensor(fn(*inputs))
+            except Exception as e:  # a backend failing on a model is a result, not a crash
+                rows[b]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            rows[b]["equal"] = bool(out.shape == reference.shape and torch.equal(out, reference))
+            same = out.shape == reference.shape
+            rows[b]["max_abs_diff"] = float((out.double() - reference.double()).abs().max()) if same else None
+            fns[b] = fn
+        progress.step(f"{name}: interleaved timing of {len(fns)} backends")
+        if "eager" not in fns:
+            return
+        result = timing.compare(fns, inputs, rounds=rounds, seconds=seconds)
+    for b in fns:
+        rows[b]["steady_us"] = result[b].us
+        rows[b]["speedup_vs_eager"] = result.speedup(b, "eager")
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else (f"{v * 1e3:.0f}ms" if v < 1 else f"{v:.1f}s")
+
+
+def table(results: list[dict[str, Any]], backends: list[str]) -> str:
+    models = list(dict.fromkeys(r["model"] for r in results))
+    cell = {(r["model"], r["backend"]): r for r in results}
+    head = "| model | " + " | ".join(backends) + " |"
+    lines = [head, "|---" * (len(backends) + 1) + "|"]
+    for m in models:
+        cells = []
+        for b in backends:
+            r = cell.get((m, b))
+            if r is None or (r["error"] and r["steady_us"] is None):
+                cells.append("failed" if r else "-")
+                continue
+            ok = "=" if r["equal"] else f"~{r['max_abs_diff']:.0e}" if r["max_abs_diff"] is not None else "?"
+            cells.append(f"{_fmt_s(r['first_call_s'])} / {r['steady_us']:.1f}us / {r['speedup_vs_eager']:.2f}x {ok}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        "cell: first call / steady-state per call / speed-up vs eager; '=' torch.equal to eager, '~d' max |diff|"
+    )
+    errors = [f"- {r['model']} x {r['backend']}: {r['error']}" for r in results if r["error"]]
+    return "\n".join(lines + (["", "errors:"] + errors if errors else []))
+
+
+def chart(results: list[dict[str, Any]], backends: list[str], path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'braze[bench]'): no chart"
+    models = list(dict.fromkeys(r["model"] for r in results))
+    cell = {(r["model"], r["backend"]): r for r in results}
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(models) * len(backends) / 3), 8))
+    width = 0.8 / len(backends)
+    for i, b in enumerate(backends):
+        xs = [m_i + i * width for m_i in range(len(models))]
+        speed = [(cell.get((m, b)) or {}).get("speedup_vs_eager") or 0 for m in models]
+        first = [(cell.get((m, b)) or {}).get("first_call_s") or 0 for m in models]
+        ax1.bar(xs, speed, width, label=b)
+        ax2.bar(xs, first, width, label=b)
+    for ax in (ax1, ax2):
+        ax.set_xticks([m_i + 0.4 - width / 2 for m_i in range(len(models))], models)
+    ax1.axhline(1.0, color="black", linewidth=0.8)
+    ax1.set_ylabel("steady-state speed-up vs eager (higher is better)")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("first call, seconds (log; lower is better)")
+    ax1.legend(ncol=len(backends), fontsize=8)
+    fig.suptitle("braze bench: " + machine_facts()["cpu"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# --- command line -------------------------------------------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--backends", default=None, help=f"comma-separated, from {', '.join(BACKENDS)}")
+    p.add_argument("--out", default="bench-out", help="folder for results.json and results.png")
+    p.add_argument("--quick", action="store_true", help="lesson and mlp-wide only, fewer rounds")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, quick 3)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed for one first call")
+
+
+def _select(arg: str | None, known: dict, default: list[str]) -> list[str]:
+    names = default if arg is None else [n.strip() for n in arg.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"braze bench: unknown {unknown}; choose from {list(known)}")
+    return names
 
 
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("braze bench: not implemented yet")
+    _load_plugins()
+    has_hf = _available("transformers")
+    default_models = QUICK if args.quick else [m for m in MODELS if has_hf or m not in NEEDS_TRANSFORMERS]
+    models = _select(args.models, MODELS, default_models)
+    notes = []
+    if not has_hf:
+        skipped = [m for m in models if m in NEEDS_TRANSFORMERS]
+        models = [m for m in models if m not in NEEDS_TRANSFORMERS]
+        if skipped or args.models is None:
+            notes.append("transformers is not installed (pip install 'braze[bench]'): skipped the Hugging Face models")
+    default_backends = [b for b, (_, _, mod) in BACKENDS.items() if _available(mod)]
+    backends = _select(args.backends, BACKENDS, default_backends)
+    if "eager" not in backends:
+        backends = ["eager"] + backends  # every speed-up is relative to it
+    rounds = args.rounds or (3 if args.quick else 7)
+    seconds = 0.1 if args.quick else 0.2
+    cached = sum(BACKENDS[b][1] for b in backends)
+    progress = Progress(len(models) * (2 * len(backends) + cached + 1), sys.stderr.isatty())
+    results = []
+    for m in models:
+        results += bench_model(m, backends, rounds, seconds, progress, args.timeout)
+    progress.close()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"machine": machine_facts(), "results": results}, f, indent=2)
+    note = chart(results, backends, os.path.join(args.out, "results.png"))
+    print(table(results, backends))
+    for n in notes + ([note] if note else []):
+        print(f"note: {n}")
+    print(f"wrote {os.path.join(args.out, 'results.json')}" + ("" if note else " and results.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _load_plugins()
+        print(json.dumps(_first_call_worker(sys.argv[2], sys.argv[3])))
+    else:
+        parser = argparse.ArgumentParser(prog="python -m braze.bench")
+        add_arguments(parser)
+        sys.exit(main(parser.parse_args()))
