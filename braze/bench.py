@@ -419,10 +419,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        _load_plugins()
-        print(json.dumps(_first_call_worker(sys.argv[2], sys.argv[3])))
-    else:
-        parser = argparse.ArgumentParser(prog="python -m braze.bench")
-        add_arguments(parser)
-        sys.exit(main(parser.parse_args()))
+    # Run as `python -m braze.bench --worker MODEL BACKEND`; use the package's module, which
+    # is the one plugins register backends in (this file runs as a second copy, __main__).
+    from braze import bench as _bench
+
+    _bench._load_plugins()
+    print(json.dumps(_bench._first_call_worker(sys.argv[2], sys.argv[3])))
