@@ -88,31 +88,13 @@ class ModuleBuilder:
         accesses = {k: (bases[k], _bstrides(a.meta, shape_meta.shape), a.meta.offset) for k, a in operands.items()}
         accesses["__out__"] = (out_base, out.meta.stride, out.meta.offset)
 
-        def at(kb: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
-            base, strides, off = accesses[name]
-            lin = I64(off)
-            for d, i in zip(dims, idx):
-                st = strides[d.axis]
-                if st:
-                    lin = kb.add(lin, kb.mul(i, I64(st)))
-            return kb.gep(base, [lin], source_etype=F32 if name == "__out__" or _dtype_of(operands, name) else I8)
-
-        def inner(kb: ll.IRBuilder, idx: list[ll.Value]) -> None:
-            vals: dict[str, ll.Value] = {}
-
-            def get(x: object) -> ll.Value:
-                if isinstance(x, str):
-                    if x not in vals:
-                        ety = F32 if _dtype_of(operands, x) else I8
-                        vals[x] = kb.load(at(kb, x, idx), typ=ety)
-                    return vals[x]
-                return F32(x)
-
-            for n in body:
-                vals[n.name] = _scalar_op(kb, n, get)
-            kb.store(vals[body[-1].name], at(kb, "__out__", idx))
-
-        _nest(kb, dims, lo, hi, inner)
+        # Vectorise the innermost loop ourselves when every access walks it contiguously or
+        # not at all (broadcast): LLVM then needs no loop optimiser, which is most of its time.
+        innermost = dims[-1].axis if dims else None
+        vector = innermost is not None and all(acc[1][innermost] in (0, 1) for acc in accesses.values())
+        vector = vector and dims[-1].size >= WIDTH
+        emitter = _BodyEmitter(body, accesses, dims, operands)
+        _nest(kb, dims, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
         total = dims[0].size if dims else 1
         if shape_meta.numel >= self.parallel_threshold and total > 1:
@@ -227,32 +209,45 @@ def _loop_dims(shape: tuple[int, ...], metas: list[TensorMeta], out: TensorMeta)
 
 
 def _nest(
-    b: ll.IRBuilder, dims: list[_Dim], lo: ll.Value, hi: ll.Value, inner: Callable[[ll.IRBuilder, list[ll.Value]], None]
+    b: ll.IRBuilder,
+    dims: list[_Dim],
+    lo: ll.Value,
+    hi: ll.Value,
+    inner: Callable[[ll.IRBuilder, list[ll.Value], int], None],
+    width: int,
 ) -> None:
-    """Loop nest over `dims`; the outermost runs [lo, hi). Merged dims use one linear index."""
+    """Loop nest over `dims`; the outermost runs [lo, hi). With width > 1 the innermost loop
+    steps `width` elements at a time, then finishes the remainder one element at a time."""
     if not dims:
-        inner(b, [])
+        inner(b, [], 1)
         return
     idx: list[ll.Value] = []
 
     def level(depth: int) -> None:
         start, stop = (lo, hi) if depth == 0 else (I64(0), I64(dims[depth].size))
-        with _for(b, start, stop) as i:
-            idx.append(i)
-            if depth + 1 < len(dims):
+        if depth + 1 < len(dims):
+            with _for(b, start, stop) as i:
+                idx.append(i)
                 level(depth + 1)
-            else:
-                inner(b, idx)
-            idx.pop()
+                idx.pop()
+            return
+        if width > 1:
+            span = b.sub(stop, start)
+            vec_stop = b.add(start, b.sub(span, b.srem(span, I64(width))))
+            with _for(b, start, vec_stop, width) as i:
+                inner(b, idx + [i], width)
+            start = vec_stop
+        with _for(b, start, stop) as i:
+            inner(b, idx + [i], 1)
 
     level(0)
 
 
 class _for:
-    """`with _for(b, lo, hi) as i:` emits a counted loop (lo < hi is checked first)."""
+    """`with _for(b, lo, hi, step) as i:` emits a counted loop (lo < hi is checked first)."""
 
-    def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value) -> None:
-        self.b, self.lo, self.hi = b, lo, hi
+    def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int = 1) -> None:
+        self.b, self.lo, self.hi, self.step = b, lo, hi, step
 
     def __enter__(self) -> ll.Value:
         b = self.b
@@ -268,14 +263,68 @@ class _for:
 
     def __exit__(self, *exc: object) -> None:
         b = self.b
-        nxt = b.add(self.i, I64(1))
+        nxt = b.add(self.i, I64(self.step))
         self.i.add_incoming(nxt, b.block)
         b.cbranch(b.icmp_signed("<", nxt, self.hi), self.head, self.exit)
         b.position_at_end(self.exit)
 
 
-def _scalar_op(b: ll.IRBuilder, n: Node, get: Callable[[object], ll.Value]) -> ll.Value:
-    """One element of an elementwise node, with ATen's exact semantics (NaN and signed zero)."""
+WIDTH = 8  # float32 lanes of an AVX2 register
+
+
+class _BodyEmitter:
+    """Emits one iteration (one element, or WIDTH of them) of a fused elementwise body."""
+
+    def __init__(self, body: tuple[Node, ...], accesses: dict, dims: list[_Dim], operands: dict[str, Access]) -> None:
+        self.body, self.accesses, self.dims, self.operands = body, accesses, dims, operands
+
+    def pointer(self, b: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
+        base, strides, off = self.accesses[name]
+        lin = I64(off)
+        for d, i in zip(self.dims, idx):
+            if strides[d.axis]:
+                lin = b.add(lin, b.mul(i, I64(strides[d.axis])))
+        return b.gep(base, [lin], source_etype=F32 if self._is_float(name) else I8)
+
+    def _is_float(self, name: str) -> bool:
+        return name == "__out__" or _dtype_of(self.operands, name)
+
+    def emit(self, b: ll.IRBuilder, idx: list[ll.Value], width: int) -> None:
+        vals: dict[str, ll.Value] = {}
+        ty = (lambda t: ll.VectorType(t, width)) if width > 1 else (lambda t: t)
+
+        def const(v: float) -> ll.Constant:
+            return ll.Constant(ty(F32), [v] * width) if width > 1 else F32(v)
+
+        def load(name: str) -> ll.Value:
+            ety = F32 if self._is_float(name) else I8
+            ptr = self.pointer(b, name, idx)
+            inner_stride = self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
+            if width == 1 or inner_stride == 1:
+                return b.load(ptr, typ=ty(ety), align=4 if ety is F32 else 1)
+            scalar = b.load(ptr, typ=ety)  # broadcast along the vector: splat one element
+            vec = b.insert_element(ll.Constant(ty(ety), None), scalar, I32(0))
+            return b.shuffle_vector(
+                vec, ll.Constant(ty(ety), None), ll.Constant(ll.VectorType(I32, width), [0] * width)
+            )
+
+        def get(x: object) -> ll.Value:
+            if isinstance(x, str):
+                if x not in vals:
+                    vals[x] = load(x)
+                return vals[x]
+            return const(x)
+
+        for n in self.body:
+            vals[n.name] = _scalar_op(b, n, get, const)
+        b.store(vals[self.body[-1].name], self.pointer(b, "__out__", idx), align=4)
+
+
+def _scalar_op(
+    b: ll.IRBuilder, n: Node, get: Callable[[object], ll.Value], const: Callable[[float], ll.Value]
+) -> ll.Value:
+    """One element (or vector of elements) of an elementwise node, with ATen's exact semantics
+    for NaN and signed zero."""
     x = [get(i) for i in n.inputs]
     op = n.op
     if op is Op.COPY:
@@ -284,28 +333,32 @@ def _scalar_op(b: ll.IRBuilder, n: Node, get: Callable[[object], ll.Value]) -> l
         return _ARITH[op](b, x[0], x[1])
     if op is Op.NEG:
         return b.fneg(x[0])
-    if op is Op.ABS:
-        return b.call(b.module.declare_intrinsic("llvm.fabs", [F32]), [x[0]])
+    if op is Op.ABS:  # clears the sign bit, as ATen's abs does
+        ty = x[0].type
+        name = f"llvm.fabs.v{ty.count}f32" if isinstance(ty, ll.VectorType) else "llvm.fabs.f32"
+        fabs = b.module.globals.get(name) or ll.Function(b.module, ll.FunctionType(ty, [ty]), name)
+        return b.call(fabs, [x[0]])
     if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0
-        return b.select(b.fcmp_ordered("<", x[0], F32(0.0)), F32(0.0), x[0])
+        return b.select(b.fcmp_ordered("<", x[0], const(0.0)), const(0.0), x[0])
     if op is Op.LEAKY_RELU:
-        return b.select(b.fcmp_ordered(">", x[0], F32(0.0)), x[0], b.fmul(x[0], F32(n.attrs["slope"])))
+        return b.select(b.fcmp_ordered(">", x[0], const(0.0)), x[0], b.fmul(x[0], const(n.attrs["slope"])))
     if op is Op.CLAMP:  # min_ps(hi, max_ps(lo, x)): NaN passes through
         v = x[0]
         if n.attrs["lo"] is not None:
-            lo = F32(n.attrs["lo"])
+            lo = const(n.attrs["lo"])
             v = b.select(b.fcmp_ordered(">", lo, v), lo, v)
         if n.attrs["hi"] is not None:
-            hi = F32(n.attrs["hi"])
+            hi = const(n.attrs["hi"])
             v = b.select(b.fcmp_ordered("<", hi, v), hi, v)
         return v
     if op in (Op.MAXIMUM, Op.MINIMUM):  # NaN if either is NaN, else max_ps/min_ps
         cmp = ">" if op is Op.MAXIMUM else "<"
         pick = b.select(b.fcmp_ordered(cmp, x[0], x[1]), x[0], x[1])
         nan = b.fcmp_unordered("uno", x[0], x[1])
-        return b.select(nan, F32(float("nan")), pick)
+        return b.select(nan, const(float("nan")), pick)
     if op is Op.WHERE:
-        return b.select(b.icmp_unsigned("!=", x[0], I8(0)), x[1], x[2])
+        zero = ll.Constant(x[0].type, [0] * x[0].type.count) if isinstance(x[0].type, ll.VectorType) else I8(0)
+        return b.select(b.icmp_unsigned("!=", x[0], zero), x[1], x[2])
     raise NotImplementedError(op)
 
 

@@ -46,7 +46,6 @@ class Sym:
 @dataclass
 class Lowered:
     graph: Graph
-    params: list[torch.Tensor]  # PARAM tensors, in PARAM-node order
     out_spec: pytree.TreeSpec
     out_leaves: list[Any]  # per output leaf: an IR value name (str) or a constant ("const", x)
     externs: list[tuple[str, str]]  # (op, why) for every EXTERN node
@@ -80,7 +79,6 @@ class Lowerer:
         self.captured = captured
         self.nodes: list[Node] = []
         self.inputs: list[str] = []
-        self.params: list[torch.Tensor] = []
         self.param_syms: dict[int, Sym] = {}
         self.base: dict[str, str] = {}  # view (or in-place extern result) -> the value owning memory
         self.viewed: set[str] = set()
@@ -100,7 +98,6 @@ class Lowerer:
     def param(self, t: torch.Tensor, label: str) -> Sym:
         if id(t) not in self.param_syms:
             self.param_syms[id(t)] = self.emit(Op.PARAM, (), to_meta(t), "p", label=label, tensor=t)
-            self.params.append(t)
         return self.param_syms[id(t)]
 
     def owner(self, name: str) -> str:
@@ -270,7 +267,7 @@ class Lowerer:
         out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
-        return Lowered(graph, self.params, spec, out_leaves, self.externs, n_args)
+        return Lowered(graph, spec, out_leaves, self.externs, n_args)
 
 
 def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:

@@ -111,8 +111,9 @@ class Program:
         self.graph = graph
         self.nodes = graph.node_map()
         self.layout = _layout(graph)
-        self.params = lowered.params
+        # From the planned graph, not from lowering: DCE drops parameters nothing reads.
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
+        self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
         self.externs = lowered.externs
         self.timings = list(timings)
         self.scratch_views: list[str] = []
@@ -145,10 +146,15 @@ class Program:
         text = str(mb.module)
         self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
         want = config.debug >= 4 or bool(config.debug_dir) or getattr(self, "_want_text", False)
-        compiled = compile_module(text, [s.name for s in self.segments], config.opt_level, True if want else False)
+        level = config.opt_level if self._loop_work() >= config.optimize_threshold else 0
+        compiled = compile_module(text, [s.name for s in self.segments], level, bool(want))
         self.timings += compiled.timings
         self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
         return [_VOID_FN(compiled.addresses[s.name]) for s in self.segments]
+
+    def _loop_work(self) -> int:
+        """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""
+        return sum(k.meta.numel for s in self.segments for k in s.kernels)
 
     def _namespace(self, lowered: Lowered, consts: dict[str, Any]) -> dict[str, Any]:
         ns: dict[str, Any] = {"_empty": torch.empty_strided, "MISS": MISS, "_ws": self.workspace, **consts}
