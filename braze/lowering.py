@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from . import config
 from .capture import Captured
-from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape, contiguous_strides
+from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape
 
 
 class Unsupported(Exception):
@@ -676,4 +676,3 @@ def _matmul(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
 
 
 _rows()
-__all__ = ["lower", "Lowered", "Unsupported", "NotNative", "LOWERINGS", "register", "blas_args", "contiguous_strides"]

@@ -104,7 +104,6 @@ def fuse_epilogue(graph: Graph) -> Graph:
     element is read and written at the same address while it is still in cache.
     """
     users, outputs = graph.users(), set(graph.outputs)
-    by_name = graph.node_map()
     fold: dict[str, Node] = {}  # FUSED name -> GEMM it absorbs
     for n in graph.nodes:
         if n.op is not Op.GEMM or n.body or n.name in outputs:
@@ -125,14 +124,13 @@ def fuse_epilogue(graph: Graph) -> Graph:
             attrs = {**g.attrs, "acc": g.name, "acc_meta": g.meta, "body": n.body}
             n = Node(n.name, Op.GEMM, g.inputs + extra, n.meta, attrs)
         nodes.append(n)
-    del by_name
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
 def _owner(n: Node, by_name: dict[str, Node]) -> str:
     """The value whose memory `n` lives in (itself, or a view's base)."""
-    while n.op is Op.VIEW or (n.op is Op.EXTERN and "inplace_of" in n.attrs):
-        n = by_name[n.inputs[0] if n.op is Op.VIEW else n.attrs["inplace_of"]]
+    while n.op is Op.VIEW or "alias_of" in n.attrs:
+        n = by_name[n.inputs[0] if n.op is Op.VIEW else n.attrs["alias_of"]]
     return n.name
 
 

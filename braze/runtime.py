@@ -44,7 +44,7 @@ def _layout(graph: Graph) -> Layout:
     for n in graph.nodes:
         store = n.attrs["store"]
         if store == "alias":
-            src = n.inputs[0] if n.op is Op.VIEW else n.attrs["inplace_of"]
+            src = n.inputs[0] if n.op is Op.VIEW else n.attrs["alias_of"]
             lay.owner[n.name] = lay.owner.get(src, src)
             continue
         lay.owner[n.name] = n.name

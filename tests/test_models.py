@@ -328,3 +328,20 @@ def test_parameters_of_layers_that_run_through_aten_do_not_shift_the_others():
     # once counted among the program's parameters and shifted every later one by a slot.
     model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1)).eval()
     check_model(model, (torch.randn(2, 5, 1),), externs=1)
+
+
+def test_aten_views_of_intermediates_keep_their_memory_alive():
+    def f(x):
+        y = x * 2
+        a, b = y.chunk(2)  # ATen returns views of braze's buffer
+        z = (x + 1).relu()  # would reuse y's buffer if the views were not tracked
+        return a + z[:2], b
+
+    compiled = braze.compile(f)
+    x = torch.randn(4, 3)
+    first = check_model(f, (x,), compiled=compiled)
+    kept = first(x)
+    check_model(f, (torch.randn(4, 3),), compiled=compiled)
+    assert torch.equal(kept[1], (x * 2)[2:])  # an earlier output is not overwritten by a later call
+    y = torch.randn(6, 3)
+    check_model(lambda t: torch.sigmoid_(t * 3) + 1, (y,))
