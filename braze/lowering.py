@@ -58,10 +58,6 @@ def to_meta(t: torch.Tensor) -> torch.Tensor:
     return base.as_strided(m.shape, m.stride, m.offset)
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-
-
 LOWERINGS: dict[Any, Callable[..., Sym]] = {}
 
 
@@ -112,7 +108,7 @@ class Lowerer:
         res = fn(example)
         if res is example:
             return src
-        if _shares_storage(res, example):
+        if _aliased(res, {src.name: example}) is not None:
             base = self.owner(src.name)
             self.viewed.add(base)
             sym = self.emit(Op.VIEW, (base,), to_meta(res))
