@@ -219,6 +219,8 @@ def verify(graph: Graph) -> Graph:
         if n.op is Op.COPY:
             src = metas[n.inputs[0]]
             _check(src is not None and n.meta.shape == src.shape, f"{n.name}: copy changes shape")
+        if "alias_of" in n.attrs:
+            _check(n.attrs["alias_of"] in metas, f"{n.name} aliases {n.attrs['alias_of']}, not an earlier value")
         if n.op is Op.INPUT:
             _check(n.name in graph.inputs, f"{n.name} is an input missing from graph.inputs")
         metas[n.name] = n.meta

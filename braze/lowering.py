@@ -210,12 +210,16 @@ class Lowerer:
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
             if not isinstance(fn, torch.nn.Module):
                 return out  # sizes, dtypes, ...: constants of this specialisation
+        emitted = len(self.nodes)
         result = self._native_or_extern(fn, args, kwargs, key, label, out)
+        fresh = isinstance(result, Sym) and len(self.nodes) > emitted and self.nodes[-1].name == result.name
         if isinstance(result, Sym) and out_real is not None:
             self.real.setdefault(result.name, out_real)
         for m in mutated:
             self._functionalize(m, result, label)
-        if aliased is not None and isinstance(result, Sym) and self.ops[result.name] is Op.EXTERN:
+        # Only an EXTERN emitted here can alias: a lowering may also hand back an existing value
+        # (contiguous() of a contiguous tensor, dropout in eval), which keeps its own owner.
+        if aliased is not None and fresh and self.ops[result.name] is Op.EXTERN:
             owner = self.owner(aliased)
             self.base[result.name] = owner
             self.viewed.add(owner)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -45,6 +47,10 @@ def test_verify_accepts_a_good_graph():
         (
             lambda g: Graph(g.inputs, g.nodes + (Node("v3", Op.ADD, ("v2", "x0"), meta(3, 8)),), g.outputs),
             "do not broadcast",
+        ),
+        (
+            lambda g: Graph(g.inputs, g.nodes[:2] + (replace(g.nodes[2], attrs={"alias_of": "v2"}),), g.outputs),
+            "not an earlier value",
         ),
     ],
 )

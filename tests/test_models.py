@@ -345,3 +345,9 @@ def test_aten_views_of_intermediates_keep_their_memory_alive():
     assert torch.equal(kept[1], (x * 2)[2:])  # an earlier output is not overwritten by a later call
     y = torch.randn(6, 3)
     check_model(lambda t: torch.sigmoid_(t * 3) + 1, (y,))
+
+
+def test_a_lowering_that_returns_an_aten_result_unchanged():
+    # contiguous() of a contiguous ATen result hands back that result itself; it was once marked
+    # as aliasing itself, and the memory planner looped forever (bert-tiny and gpt2-tiny hung).
+    check_model(lambda x: torch.tanh(x).contiguous() * 2, (torch.randn(7, 33),), externs=1)
