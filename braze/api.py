@@ -71,7 +71,17 @@ def _no_gc() -> Iterator[None]:
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
-    return type(t) in _PLAIN and t.device.type == "cpu" and t.layout == torch.strided
+    plain = type(t) in _PLAIN and t.device.type == "cpu" and t.layout == torch.strided
+    return plain and not t.is_neg() and not t.is_conj()  # lazy negation: the bytes are not the values
+
+
+def _unusual_state() -> str:
+    """A global setting under which eager does something other than run the ops as written."""
+    if torch.is_autocast_enabled("cpu"):
+        return "CPU autocast"
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return "a Python dispatch or torch-function mode"
+    return ""
 
 
 def _miss(*args: Any) -> Any:
@@ -138,6 +148,8 @@ class CompiledModule:
         return self._slow(args, kwargs)
 
     def _slow(self, args: tuple, kwargs: dict) -> Any:
+        """Everything the fast path does not: bind keywords, decide eager or native, look up or
+        compile the program for this signature, and make it the next call's fast path."""
         if kwargs:
             bound = self._bind(args, kwargs)
             if bound is None:
@@ -147,6 +159,9 @@ class CompiledModule:
             return self._dynamo(*args)
         if torch.is_grad_enabled() and self._needs_grad(args):
             return self._eager("gradients are needed (grad mode on and a tensor requires grad)", args, {})
+        unusual = _unusual_state()
+        if unusual:
+            return self._eager(f"{unusual} is active; native code would bypass it", args, {})
         try:
             key = _signature(args) + (self._module.training if self._module is not None else None,)
         except Exception:  # e.g. a sparse tensor has no strides
@@ -173,6 +188,10 @@ class CompiledModule:
             self._cache.pop(key, None)
             self._fast = _miss
             return self._slow(args, {})
+        if self._fast is prog.run and not kwargs:
+            # Its own fast path refused a call that matches the signature: the thread's dispatch
+            # state changed (e.g. no_grad -> inference_mode). Re-check tensors under this state.
+            prog.rearm(args)
         self._fast = prog.run
         return out
 

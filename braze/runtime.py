@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C._dynamo.guards import TensorGuards
 from torch.utils import _pytree as pytree
 
 from . import config
@@ -126,8 +127,25 @@ class Program:
         self.source = writer.source()
         namespace = self._namespace(lowered, writer.consts)
         exec(compile(self.source, f"<braze program {id(self):x}>", "exec"), namespace)
+        self._globals = namespace
+        self.rearm(guard.args)
         self.run = namespace["run"]
         self.body = namespace["body"]
+
+    def rearm(self, args: tuple[Any, ...]) -> None:
+        """Rebuild the C++ tensor check of `run` from arguments that match this signature.
+
+        TensorGuards compares each tensor's type, dtype, device, sizes, strides, requires_grad and
+        dispatch keys, with the thread's dispatch state applied: a program compiled under no_grad
+        and then called under inference_mode misses once, the caller (having matched the full
+        signature) rearms it, and later calls take the fast path again.
+        """
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        sizes = [list(t.shape) for t in tensors]
+        strides = [list(t.stride()) for t in tensors]
+        # Explicit per-tensor lists: TensorGuards reads them unchecked.
+        tg = TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        self._globals["_tg"] = tg.check
 
     def _access(self, name: str) -> Access:
         owner = self.nodes[self.layout.owner[name]]
@@ -281,22 +299,19 @@ class _RunnerWriter:
         grads += [f"{p}.requires_grad" for p in params]
         if grads:
             checks.append(f"(_grad_on() and ({' or '.join(grads)}))")
+        tensors = [a for a, v in zip(args, gd.args) if isinstance(v, torch.Tensor)]
+        if tensors:
+            checks.append(f"not _tg({', '.join(tensors)})")
         for a, v in zip(args, gd.args):
-            if isinstance(v, torch.Tensor):
-                checks += [
-                    f"type({a}) not in _TT",
-                    f"not {a}.is_cpu",
-                    f"{a}.dtype is not {self.const(v.dtype)}",
-                    f"{a}.shape != {tuple(v.shape)}",
-                    f"{a}.stride() != {tuple(v.stride())}",
-                ]
-            else:
+            if not isinstance(v, torch.Tensor):
                 checks += [f"type({a}) is not {self.const(type(v))}", f"{a} != {self.const(v)}"]
         if gd.module is not None:
             checks.append(f"{self.const(gd.module)}.training is not {gd.module.training}")
         checks.append(f"{self.const(gd.epoch)}[0] != {gd.epoch_value}")
+        # A TorchFunctionMode (e.g. `with torch.device(...)`) is invisible to TensorGuards.
+        checks.append("_function_mode()")
         self.consts["_grad_on"] = torch.is_grad_enabled
-        self.consts["_TT"] = (torch.Tensor, torch.nn.Parameter)
+        self.consts["_function_mode"] = torch._C._is_torch_function_mode_enabled
         return " or ".join(checks)
 
     def _native_reads(self, name: str) -> bool:

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import braze
 
@@ -133,6 +135,73 @@ def test_inference_mode_compiles():
     with torch.inference_mode():
         assert_same(compiled(x), model(x))
     assert len(compiled.programs()) == 1
+
+
+def test_switching_no_grad_and_inference_mode_keeps_the_fast_path():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    for mode in (torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            check_model(model, (x,), compiled=compiled)
+            (prog,) = compiled.programs()
+            assert prog.run(x) is not braze.runtime.MISS  # the fast path takes this state again
+
+
+class _CountingDispatch(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CountingFunctions(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [_CountingDispatch, _CountingFunctions])
+def test_python_modes_see_every_op_as_in_eager(mode):
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x)  # compiled and on the fast path before the mode is entered
+        with mode() as m, pytest.warns(braze.BrazeWarning, match="mode is active"):
+            out = compiled(x)
+        assert m.calls > 0
+        assert_same(out, model(x))
+
+
+def test_autocast_runs_eagerly_in_its_dtype():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x)
+        with torch.autocast("cpu"), pytest.warns(braze.BrazeWarning, match="autocast"):
+            out = compiled(x)
+            assert_same(out, model(x))
+    assert out.dtype == torch.bfloat16
+
+
+def test_lazily_negated_inputs_are_read_as_their_values():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x)
+        neg = torch._neg_view(x)  # same bytes as x, values -x
+        with pytest.warns(braze.BrazeWarning, match="not a plain"):
+            assert_same(compiled(neg), model(-x))
 
 
 def test_weights_changed_in_place_are_seen():
