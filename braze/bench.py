@@ -83,7 +83,10 @@ def _bert_tiny() -> tuple[torch.nn.Module, tuple]:
 def _gpt2_tiny() -> tuple[torch.nn.Module, tuple]:
     from transformers import GPT2Config, GPT2Model
 
-    return GPT2Model(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000)), (torch.randint(0, 1000, (2, 128)),)
+    # GPT-2's default special-token id (50256) lies outside a 1000-word vocabulary; the model never
+    # reads it, but transformers warns. Any id inside the vocabulary changes nothing else.
+    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    return GPT2Model(cfg), (torch.randint(0, 1000, (2, 128)),)
 
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
