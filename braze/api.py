@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import gc
 import inspect
@@ -25,17 +26,17 @@ import torch
 from . import capture, config, debug
 from .lowering import Unsupported, lower
 from .passes import run_passes
-from .runtime import MISS, Guard, Program
+from .runtime import Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
 
 # Bumped whenever any module gains or replaces a parameter, buffer or submodule, so a wrapper
-# sees `model.fc.weight = nn.Parameter(...)` and recompiles.
-_epoch = [0]
+# sees `model.fc.weight = nn.Parameter(...)` and recompiles. A C integer: native guards read it.
+epoch = (ctypes.c_int64 * 1)()
 
 
 def _bump(*_: Any) -> None:
-    _epoch[0] += 1
+    epoch[0] += 1
 
 
 for _hook in (
@@ -84,10 +85,6 @@ def _unusual_state() -> str:
     return ""
 
 
-def _miss(*args: Any) -> Any:
-    return MISS
-
-
 class _Failed:
     """A signature that did not compile; eager decides whether the inputs were bad."""
 
@@ -102,7 +99,7 @@ def build_program(captured: capture.Captured, args: tuple[Any, ...], module: tor
     t1 = time.perf_counter()
     graph, log = run_passes(lowered.graph)
     timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
-    prog = Program(lowered, graph, timings, Guard(args, module, _epoch, _epoch[0]))
+    prog = Program(lowered, graph, timings, Guard(args, module, epoch, epoch[0]))
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
@@ -120,7 +117,16 @@ def _signature(args: tuple[Any, ...]) -> tuple:
 
 
 class CompiledModule:
-    """What `braze.compile` returns: call it like the model."""
+    """What `braze.compile` returns: call it like the model.
+
+    Each wrapper is the only instance of a class of its own, whose `__call__` becomes the native
+    entry of the program it ran last: a call that matches goes from the interpreter straight
+    into machine code. A call that does not is handed back to `_slow`.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CompiledModule:
+        own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return super().__new__(own)
 
     def __init__(self, fn: Callable[..., Any], mode: str = "exact", cache_size: int | None = None) -> None:
         if mode != "exact":
@@ -131,21 +137,28 @@ class CompiledModule:
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._captured: capture.Captured | None = None
         self._dynamo: Callable[..., Any] | None = None
-        self._epoch = _epoch[0]
+        self._epoch = epoch[0]
         self._lock = threading.Lock()
         self._said: set[str] = set()
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._params = list(self._module.parameters()) if self._module is not None else []
-        self._fast: Callable[..., Any] = _miss
         self._subgraphs: list[CompiledModule] = []  # TorchDynamo's graphs, when FX could not trace
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs:
-            out = self._fast(*args)  # the last program used; MISS unless the call matches it
-            if out is not MISS:
-                return out
+        return self._slow(args, kwargs)  # until a program is installed as the class's __call__
+
+    def _on_miss(self, *args: Any, **kwargs: Any) -> Any:
         return self._slow(args, kwargs)
+
+    def _install(self, prog: Program | None) -> None:
+        """Make `prog`'s entry the next call's fast path (None: the slow path)."""
+        cls = type(self)
+        if prog is None:
+            if "__call__" in cls.__dict__:
+                del cls.__call__
+        elif cls.__dict__.get("__call__") is not prog.entry:
+            cls.__call__ = prog.entry
 
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         """Everything the fast path does not: bind keywords, decide eager or native, look up or
@@ -168,7 +181,7 @@ class CompiledModule:
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):
             return self._eager("an argument that is not a plain, strided CPU tensor", args, {})
-        if self._epoch != _epoch[0]:
+        if self._epoch != epoch[0]:
             self._reset()
         prog = self._cache.get(key)
         if prog is None:
@@ -183,16 +196,13 @@ class CompiledModule:
             return out
         if not isinstance(prog, Program):  # the TorchDynamo path took over
             return prog(*args)
-        out = prog.body(*args)
-        if out is MISS:  # a parameter was re-allocated (e.g. `.to()`): compile again
+        # The entry may have refused a call of this signature because the thread's dispatch
+        # state changed (no_grad -> inference_mode, say): check the tensors again under this one.
+        if not prog.rearm(args):  # a parameter changed dtype or layout (`.double()`): recompile
             self._cache.pop(key, None)
-            self._fast = _miss
             return self._slow(args, {})
-        if self._fast is prog.run and not kwargs:
-            # Its own fast path refused a call that matches the signature: the thread's dispatch
-            # state changed (e.g. no_grad -> inference_mode). Re-check tensors under this state.
-            prog.rearm(args)
-        self._fast = prog.run
+        out = prog.body(*args)
+        self._install(prog)
         return out
 
     # --- helpers -----------------------------------------------------------------------------
@@ -217,9 +227,9 @@ class CompiledModule:
 
     def _reset(self) -> None:
         self._cache.clear()
-        self._fast = _miss
+        self._install(None)
         self._captured = None
-        self._epoch = _epoch[0]
+        self._epoch = epoch[0]
         self._params = list(self._module.parameters()) if self._module is not None else []
 
     def _say(self, why: str) -> None:
@@ -240,6 +250,8 @@ class CompiledModule:
                 return self._dynamo or _EAGER
             if isinstance(entry, _Failed):
                 return entry
+            if isinstance(entry, Program):
+                entry.bind(self._on_miss)
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)

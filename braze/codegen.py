@@ -36,21 +36,38 @@ class Segment:
 
 
 class ModuleBuilder:
-    def __init__(self, name: str, slot_of: Callable[[str], Access], parallel_threshold: int) -> None:
-        self.module = ll.Module(name=name)
+    """One LLVM module; `prefix` starts every global name in it (programs share one JIT)."""
+
+    def __init__(self, prefix: str, slot_of: Callable[[str], Access], parallel_threshold: int) -> None:
+        self.module = ll.Module(name=prefix)
+        self.prefix = prefix
         self.slot_of = slot_of
         self.parallel_threshold = parallel_threshold
-        self.n_loops = 0
         self._decls: dict[str, ll.Function] = {}
+        self._used: dict[str, int] = {}
 
     def declare(self, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
         if name not in self._decls:
             self._decls[name] = ll.Function(self.module, ll.FunctionType(ret, args), name)
         return self._decls[name]
 
+    def unique(self, base: str) -> str:
+        self._used[base] = self._used.get(base, -1) + 1
+        return f"{base}{self._used[base]}"
+
+    def cstring(self, name: str, text: str) -> ll.GlobalVariable:
+        """A NUL-terminated string constant (emitted once per name)."""
+        if name in self.module.globals:
+            return self.module.globals[name]
+        data = bytearray(text.encode() + b"\0")
+        g = ll.GlobalVariable(self.module, ll.ArrayType(I8, len(data)), name)
+        g.initializer = ll.Constant(ll.ArrayType(I8, len(data)), data)
+        g.global_constant = True
+        return g
+
     # --- segments ----------------------------------------------------------------------------
-    def segment(self, seg: Segment) -> None:
-        fn = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), seg.name)
+    def segment(self, seg: Segment) -> ll.Function:
+        fn = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), f"{self.prefix}_{seg.name}")
         b = ll.IRBuilder(fn.append_basic_block("entry"))
         table = fn.args[0]
         for k in seg.kernels:
@@ -59,6 +76,7 @@ class ModuleBuilder:
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
+        return fn
 
     # --- elementwise loops -------------------------------------------------------------------
     def _loop_kernel(
@@ -77,9 +95,7 @@ class ModuleBuilder:
         names = dict.fromkeys(i for n in body for i in n.value_inputs() if i not in inner)
         operands = {i: override.get(i) or self.slot_of(i) for i in names}
         dims = _loop_dims(shape_meta.shape, [out.meta] + [a.meta for a in operands.values()], out.meta)
-        fname = f"loop{self.n_loops}"
-        self.n_loops += 1
-        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), fname)
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("loop"))
         kern.linkage = "internal"
         kb = ll.IRBuilder(kern.append_basic_block("entry"))
         tbl, lo, hi = kern.args
@@ -213,7 +229,7 @@ def _nest(
     dims: list[_Dim],
     lo: ll.Value,
     hi: ll.Value,
-    inner: Callable[[ll.IRBuilder, list[ll.Value], int], None],
+    inner: Callable[..., None],
     width: int,
 ) -> None:
     """Loop nest over `dims`; the outermost runs [lo, hi). With width > 1 the innermost loop
@@ -234,7 +250,8 @@ def _nest(
         if width > 1 and dims[depth].size >= UNROLL * width:
             # Unrolled: without LLVM's optimiser the loop counter lives on the stack, and its
             # store-to-load chain, not the arithmetic, would set the pace of a one-vector loop.
-            start = _strided(b, start, stop, UNROLL * width, lambda i: _unrolled(b, inner, idx, i, width))
+            unrolled = tuple(u * width for u in range(UNROLL))
+            start = _strided(b, start, stop, UNROLL * width, lambda i: inner(b, idx + [i], width, unrolled))
         if width > 1:
             start = _strided(b, start, stop, width, lambda i: inner(b, idx + [i], width))
         with _for(b, start, stop) as i:
@@ -253,11 +270,6 @@ def _strided(b: ll.IRBuilder, start: ll.Value, stop: ll.Value, step: int, emit: 
     with _for(b, start, end, step) as i:
         emit(i)
     return end
-
-
-def _unrolled(b: ll.IRBuilder, inner: Callable, idx: list[ll.Value], i: ll.Value, width: int) -> None:
-    for u in range(UNROLL):
-        inner(b, idx + [b.add(i, I64(u * width))], width)
 
 
 class _for:
@@ -298,25 +310,37 @@ class _BodyEmitter:
 
     def pointer(self, b: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
         base, strides, off = self.accesses[name]
-        lin = I64(off)
-        for d, i in zip(self.dims, idx):
-            if strides[d.axis]:
-                lin = b.add(lin, b.mul(i, I64(strides[d.axis])))
-        return b.gep(base, [lin], source_etype=F32 if self._is_float(name) else I8)
+        # Without LLVM's optimiser nothing folds `* 1` or `+ 0`: skip them here.
+        steps = [(i, strides[d.axis]) for d, i in zip(self.dims, idx) if strides[d.axis]]
+        terms = [i if st == 1 else b.mul(i, I64(st)) for i, st in steps] + ([I64(off)] if off else [])
+        lin = terms[0] if terms else I64(0)
+        for t in terms[1:]:
+            lin = b.add(lin, t)
+        return b.gep(base, [lin], source_etype=self._etype(name))
 
-    def _is_float(self, name: str) -> bool:
-        return name == "__out__" or _dtype_of(self.operands, name)
+    def _etype(self, name: str) -> ll.Type:
+        return F32 if name == "__out__" or _dtype_of(self.operands, name) else I8
 
-    def emit(self, b: ll.IRBuilder, idx: list[ll.Value], width: int) -> None:
-        vals: dict[str, ll.Value] = {}
+    def emit(self, b: ll.IRBuilder, idx: list[ll.Value], width: int, offsets: tuple[int, ...] = (0,)) -> None:
+        """The body at `idx`, then at each further element offset along the innermost loop
+        (an unrolled iteration): addresses are computed once, then displaced by constants."""
         ty = (lambda t: ll.VectorType(t, width)) if width > 1 else (lambda t: t)
+        bases: dict[str, ll.Value] = {}
+
+        def at(name: str, offset: int) -> ll.Value:
+            if name not in bases:
+                bases[name] = self.pointer(b, name, idx)
+            inner = self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
+            if not offset or not inner:
+                return bases[name]
+            return b.gep(bases[name], [I64(offset * inner)], source_etype=self._etype(name))
 
         def const(v: float) -> ll.Constant:
             return ll.Constant(ty(F32), [v] * width) if width > 1 else F32(v)
 
-        def load(name: str) -> ll.Value:
-            ety = F32 if self._is_float(name) else I8
-            ptr = self.pointer(b, name, idx)
+        def load(name: str, offset: int) -> ll.Value:
+            ety = self._etype(name)
+            ptr = at(name, offset)
             inner_stride = self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
             if width == 1 or inner_stride == 1:
                 return b.load(ptr, typ=ty(ety), align=4 if ety is F32 else 1)
@@ -326,16 +350,19 @@ class _BodyEmitter:
                 vec, ll.Constant(ty(ety), None), ll.Constant(ll.VectorType(I32, width), [0] * width)
             )
 
-        def get(x: object) -> ll.Value:
-            if isinstance(x, str):
-                if x not in vals:
-                    vals[x] = load(x)
-                return vals[x]
-            return const(x)
+        for offset in offsets:
+            vals: dict[str, ll.Value] = {}
 
-        for n in self.body:
-            vals[n.name] = _scalar_op(b, n, get, const)
-        b.store(vals[self.body[-1].name], self.pointer(b, "__out__", idx), align=4)
+            def get(x: object, vals: dict = vals, offset: int = offset) -> ll.Value:
+                if isinstance(x, str):
+                    if x not in vals:
+                        vals[x] = load(x, offset)
+                    return vals[x]
+                return const(x)
+
+            for n in self.body:
+                vals[n.name] = _scalar_op(b, n, get, const)
+            b.store(vals[self.body[-1].name], at("__out__", offset), align=4)
 
 
 def _scalar_op(

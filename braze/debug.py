@@ -52,6 +52,8 @@ def _fusion(prog: Program) -> str:
 def _placement(prog: Program) -> str:
     native = [n.name for s in prog.segments for n in s.kernels]
     lines = [f"  native: {len(native)} kernel(s) in {len(prog.segments)} LLVM function(s)"]
+    body = "native" if prog.native else "generated Python (it makes ATen calls or returns views or inputs)"
+    lines.append(f"  entry: native guard; body: {body}")
     for label, why in prog.externs:
         lines.append(f"  ATen:   {label}  ({why})")
     return "\n".join(lines)

@@ -1,17 +1,22 @@
-"""Stage 5, machine code: optimise an LLVM module for the host CPU and load it.
+"""Stage 6, machine code: optimise an LLVM module for the host CPU, load it, and make its entry
+points callable from Python.
 
-One MCJIT engine per process; modules are added to it. The symbols generated code calls are
-bound to the exact functions the torch wheel loaded: MKL's `sgemm_` inside libtorch_cpu (the
-routine eager's addmm calls) and the libgomp that ATen's parallel_for uses.
+One MCJIT engine per process (per instruction-selection level); modules are added to it. The
+symbols generated code calls are bound to the exact functions the process already loaded:
+MKL's `sgemm_` inside libtorch_cpu (the routine eager's addmm calls), the libgomp that ATen's
+parallel_for uses, CPython's C API, and ATen's C shim (the AOTInductor `aoti_torch_*` functions)
+for tensor data pointers, layouts and allocation.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import llvmlite.binding as llvm
 import torch
@@ -19,17 +24,84 @@ import torch
 _lock = threading.Lock()
 _state: dict[int, tuple[llvm.ExecutionEngine, llvm.TargetMachine]] = {}
 
+# A Python tensor object is PyObject_HEAD followed by its at::Tensor (torch/csrc/autograd/
+# python_variable.h), so object address + 16 is an AtenTensorHandle. Checked at start-up.
+TENSOR_OFFSET = 16
+# THPVariable_Wrap(at::TensorBase&&): the one C++ function braze calls (it makes a Python tensor).
+WRAP = "_Z16THPVariable_WrapON2at10TensorBaseE"
 
+_C_API = (
+    "PyObject_Vectorcall",
+    "PyObject_GetAttr",
+    "PyObject_RichCompareBool",
+    "PyTuple_New",
+    "PyTuple_SetItem",
+    "PyErr_Clear",
+    "PyErr_SetString",
+    "Py_IncRef",
+    "Py_DecRef",
+    "PyEval_SaveThread",
+    "PyEval_RestoreThread",
+)
+_SHIM = (
+    "aoti_torch_get_data_ptr",
+    "aoti_torch_get_dtype",
+    "aoti_torch_get_device_type",
+    "aoti_torch_get_layout",
+    "aoti_torch_get_dim",
+    "aoti_torch_get_sizes",
+    "aoti_torch_get_strides",
+    "aoti_torch_empty_strided",
+    "aoti_torch_delete_tensor_object",
+    "aoti_torch_grad_mode_is_enabled",
+)
+
+
+@functools.cache
 def _torch_lib(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name))
 
 
+def _address(lib: Any, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
 def _bind_symbols() -> None:
-    cpu = _torch_lib("libtorch_cpu.so")
-    llvm.add_symbol("sgemm_", ctypes.cast(cpu.sgemm_, ctypes.c_void_p).value)
+    cpu, libc = _torch_lib("libtorch_cpu.so"), ctypes.CDLL(None)
+    llvm.add_symbol("sgemm_", _address(cpu, "sgemm_"))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"):
-        llvm.add_symbol(name, ctypes.cast(getattr(gomp, name), ctypes.c_void_p).value)
+        llvm.add_symbol(name, _address(gomp, name))
+    for name in _C_API:
+        llvm.add_symbol(name, _address(ctypes.pythonapi, name))
+    for name in _SHIM:
+        llvm.add_symbol(name, _address(cpu, name))
+    llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
+    for name in ("aligned_alloc", "free"):
+        llvm.add_symbol(name, _address(libc, name))
+    _check_tensor_layout(cpu)
+
+
+def _check_tensor_layout(cpu: ctypes.CDLL) -> None:
+    """Native entries read tensors at TENSOR_OFFSET; refuse to run on a torch where that is wrong."""
+    get = cpu.aoti_torch_get_data_ptr
+    get.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    probe = torch.arange(6.0)[2:]
+    ptr = ctypes.c_void_p()
+    if get(id(probe) + TENSOR_OFFSET, ctypes.byref(ptr)) != 0 or ptr.value != probe.data_ptr():
+        raise RuntimeError(f"braze: torch {torch.__version__} lays out tensor objects differently; braze needs 2.13")
+
+
+@functools.cache
+def shim_constant(name: str) -> int:
+    """A constant of ATen's C shim, e.g. shim_constant('dtype_float32')."""
+    return getattr(_torch_lib("libtorch_cpu.so"), f"aoti_torch_{name}")()
+
+
+def define_symbols(addresses: dict[str, int]) -> None:
+    """Make already-loaded functions callable by name from modules compiled later."""
+    for name, address in addresses.items():
+        llvm.add_symbol(name, address)
 
 
 def _target_machine(opt: int) -> llvm.TargetMachine:
@@ -57,7 +129,7 @@ def target_machine() -> llvm.TargetMachine:
 
 @dataclass
 class Compiled:
-    addresses: dict[str, int]
+    addresses: dict[str, int]  # of the functions and globals asked for
     llvm_ir: str
     optimized_ir: str
     asm: str
@@ -91,8 +163,35 @@ def compile_module(ir_text: str, names: list[str], opt_level: int, want_text: bo
         asm = tm.emit_assembly(mod) if want_text else ""
         engine.add_module(mod)
         engine.finalize_object()
-        addresses = {n: engine.get_function_address(n) for n in names}
+        addresses = {n: engine.get_function_address(n) or engine.get_global_value_address(n) for n in names}
         t3 = time.perf_counter()
     ms = lambda a, b: (b - a) * 1e3  # noqa: E731
     timings = [("llvm.parse", ms(t0, t1)), ("llvm.optimize", ms(t1, t2)), ("llvm.machine_code", ms(t2, t3))]
     return Compiled(addresses, ir_text if want_text else "", optimized, asm, timings)
+
+
+METH_FASTCALL, METH_KEYWORDS = 0x80, 0x02
+
+
+class _MethodDef(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("meth", ctypes.c_void_p), ("flags", ctypes.c_int), ("doc", ctypes.c_char_p)]
+
+
+_new_cfunction = ctypes.pythonapi.PyCFunction_NewEx
+_new_cfunction.restype = ctypes.py_object
+_new_cfunction.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.c_void_p]
+
+
+# Like the machine code they point at, method definitions live until the process exits.
+_method_defs: list[_MethodDef] = []
+
+
+def pyfunction(address: int, name: str, keywords: bool, owner: Any) -> Any:
+    """A Python builtin function calling native `address` with CPython's vectorcall convention:
+    (owner, args, nargs) or, with `keywords`, (owner, args, nargs, kwnames). The function keeps
+    `owner` alive as its `self`.
+    """
+    flags = METH_FASTCALL | (METH_KEYWORDS if keywords else 0)
+    mdef = _MethodDef(name.encode(), address, flags, None)
+    _method_defs.append(mdef)
+    return _new_cfunction(ctypes.addressof(mdef), owner, None)

@@ -1,17 +1,26 @@
-"""Stage 6, runtime: one compiled program per input signature.
+"""Stage 7, runtime: one compiled program per input signature.
 
-A Program owns the native code for a planned graph and a generated Python function `run` that
-does, per call, only what must be done per call: check the parameters' addresses, allocate the
-outputs, write data pointers into the slot table, call the native segments, call the EXTERN ops,
-and rebuild the output structure. Scratch buffers live in a per-thread Workspace, kept across
-calls (no page faults from re-allocating large activations), so two threads never share one.
+A Program owns the machine code for a planned graph and two callables:
+
+- `entry(*args, **kwargs)`: native; checks the call against the specialisation, then runs the
+  body, or passes the call to `on_miss` (the wrapper's slow path; by default it returns MISS);
+- `body(*args)`: runs the program unchecked. It is native when every node is (see entry.py);
+  else it is a generated Python function that does, per call, only what must be done per call:
+  allocate the outputs, write data pointers into the slot table, call the native segments and
+  the EXTERN ops, and rebuild the output structure.
+
+Scratch buffers live across calls (no page faults from re-allocating large activations): a
+native body uses the program's own (or a fresh allocation while another thread runs it); a
+Python body uses a per-thread Workspace.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +28,20 @@ import torch
 from torch._C._dynamo.guards import TensorGuards
 from torch.utils import _pytree as pytree
 
-from . import config
+from . import config, entry
 from .codegen import Access, ModuleBuilder, Segment
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module
+from .jit import compile_module, pyfunction
 from .lowering import Lowered, Sym
 
-MISS = object()  # returned by run() when a parameter moved: the caller recompiles
+MISS = object()  # what an entry returns for a call it was not compiled for, unless told otherwise
 
 _VOID_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_serial = itertools.count()
+
+
+def _return_miss(*args: Any, **kwargs: Any) -> Any:
+    return MISS
 
 
 @dataclass
@@ -75,20 +89,36 @@ def _segments(graph: Graph) -> list[Segment]:
     return segs
 
 
+def _allocations(graph: Graph, lowered: Lowered, layout: Layout) -> tuple[dict[str, TensorMeta], dict[str, str]]:
+    """The layout each returned buffer is allocated with, and which output leaves are such buffers.
+
+    A buffer returned only as one leaf that views all of it is allocated with the leaf's layout,
+    so a linear on a 3-D input returns a plain tensor, as in eager, rather than a view.
+    """
+    nodes = graph.node_map()
+    metas = {n.name: n.meta for n in graph.nodes if n.attrs["store"] == "out"}
+    leaves = [v for v in lowered.out_leaves if isinstance(v, str)]
+    uses = Counter(layout.owner[v] for v in leaves)
+    fresh: dict[str, str] = {}
+    for v in leaves:
+        o = layout.owner[v]
+        whole = nodes[v].meta.offset == nodes[o].meta.offset and nodes[v].meta.span == nodes[o].meta.span
+        if o in metas and uses[o] == 1 and whole:
+            metas[o] = nodes[v].meta
+            fresh[v] = o
+    return metas, fresh
+
+
 class Workspace:
-    """Per-thread state of one program: the slot table and the scratch buffers."""
+    """Per-thread state of a Python body: the slot table and the scratch buffers."""
 
     def __init__(self, prog: Program) -> None:
         n = max(len(prog.layout.slot), 1)
         self.table = (ctypes.c_void_p * n)()
         self.addr = ctypes.addressof(self.table)
-        self.scratch = {
-            b: torch.empty(max(nb // 4, 1), dtype=torch.float32) for b, nb in prog.layout.scratch_bytes.items()
-        }
+        self.scratch = _scratch_buffers(prog.layout)
         for b, t in self.scratch.items():
             self.table[prog.layout.tmp_slot[b]] = t.data_ptr()
-        for name, t in zip(prog.param_names, prog.params):
-            self.table[prog.layout.slot[name]] = t.data_ptr()
         # Tensor views of scratch values that EXTERN ops or outputs need, made once.
         self.view = {name: self._tensor(prog, name) for name in prog.scratch_views}
 
@@ -100,13 +130,14 @@ class Workspace:
         return typed.as_strided(node.meta.shape, node.meta.stride, node.meta.offset - owner.meta.offset)
 
 
-class Program:
-    """Native code + generated Python for one signature.
+def _scratch_buffers(layout: Layout) -> dict[int, torch.Tensor]:
+    return {b: torch.empty(max(nb // 4, 1), dtype=torch.float32) for b, nb in layout.scratch_bytes.items()}
 
-    `run(*args)` checks the arguments against the signature (and grad mode, the module's
-    training flag, the parameters' addresses) and returns MISS on any mismatch; `body(*args)`
-    skips the argument checks, for callers that matched the signature themselves.
-    """
+
+class Program:
+    """Machine code, entry points and (when needed) a generated Python body for one signature."""
+
+    _want_text = False  # keep LLVM IR and assembly text (braze.explain sets it)
 
     def __init__(self, lowered: Lowered, graph: Graph, timings: list[tuple[str, float]], guard: Guard) -> None:
         self.graph = graph
@@ -115,37 +146,118 @@ class Program:
         # From the planned graph, not from lowering: DCE drops parameters nothing reads.
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
+        self._param_layouts = [_param_layout(p) for p in self.params]
         self.externs = lowered.externs
         self.timings = list(timings)
         self.scratch_views: list[str] = []
         self.segments = _segments(graph)
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
+        self.alloc, fresh = _allocations(graph, lowered, self.layout)
+        self.native = not self.externs and _native_outputs(lowered, fresh)
         self.llvm_ir = self.optimized_ir = self.asm = ""
-        self._fns = self._build_native()
         self._local = threading.local()
-        writer = _RunnerWriter(self, lowered, guard)
-        self.source = writer.source()
-        namespace = self._namespace(lowered, writer.consts)
-        exec(compile(self.source, f"<braze program {id(self):x}>", "exec"), namespace)
-        self._globals = namespace
+        spec = self._spec(lowered, guard, fresh)
+        self.entry, self.body = self._build(spec, lowered)
         self.rearm(guard.args)
-        self.run = namespace["run"]
-        self.body = namespace["body"]
 
-    def rearm(self, args: tuple[Any, ...]) -> None:
-        """Rebuild the C++ tensor check of `run` from arguments that match this signature.
+    # --- per call state ----------------------------------------------------------------------
+    def rearm(self, args: tuple[Any, ...]) -> bool:
+        """Rebuild the tensor check of `entry` from arguments that match this signature, under
+        the thread's dispatch state now; False if a parameter no longer has its compiled layout.
 
         TensorGuards compares each tensor's type, dtype, device, sizes, strides, requires_grad and
         dispatch keys, with the thread's dispatch state applied: a program compiled under no_grad
         and then called under inference_mode misses once, the caller (having matched the full
         signature) rearms it, and later calls take the fast path again.
         """
+        if [_param_layout(p) for p in self.params] != self._param_layouts:
+            return False
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         sizes = [list(t.shape) for t in tensors]
         strides = [list(t.stride()) for t in tensors]
         # Explicit per-tensor lists: TensorGuards reads them unchecked.
         tg = TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-        self._globals["_tg"] = tg.check
+        self._descriptor.set_object("tg", tg.check)
+        return True
+
+    def bind(self, on_miss: Any) -> None:
+        """Where `entry` sends the calls it was not compiled for."""
+        self._descriptor.set_object("on_miss", on_miss)
+
+    def workspace(self) -> Workspace:
+        ws = getattr(self._local, "ws", None)
+        if ws is None:
+            ws = self._local.ws = Workspace(self)
+        return ws
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.entry(*args, **kwargs)
+
+    # --- building ----------------------------------------------------------------------------
+    def _spec(self, lowered: Lowered, guard: Guard, fresh: dict[str, str]) -> entry.EntrySpec:
+        slot = self.layout.slot
+        reads = _native_reads(self)
+        nodes = [n for n in self.graph.nodes if n.op is Op.INPUT]
+        tensors = tuple(i for i, a in enumerate(guard.args) if isinstance(a, torch.Tensor))
+        outs = [fresh[v] for v in lowered.out_leaves] if self.native else []
+        return entry.EntrySpec(
+            n_args=lowered.n_args,
+            tensor_args=tensors,
+            const_args=tuple((i, a) for i, a in enumerate(guard.args) if not isinstance(a, torch.Tensor)),
+            grad_inputs=any(guard.args[i].requires_grad for i in tensors),
+            params=tuple(self.params),
+            param_slots=tuple(slot[n] if n in reads else -1 for n in self.param_names),
+            module=guard.module,
+            epoch=guard.epoch,
+            epoch_value=guard.epoch_value,
+            inputs=tuple((n.attrs["index"], slot[n.name]) for n in nodes if n.name in reads),
+            outputs=tuple((slot[o], self.alloc[o]) for o in outs),
+            tuple_output=not lowered.out_spec.is_leaf(),
+            scratch=tuple((self.layout.tmp_slot[b], nb) for b, nb in self.layout.scratch_bytes.items())
+            if self.native
+            else (),
+            n_slots=len(slot),
+        )
+
+    def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        if entry.ensure_runtime():
+            self.timings.append(("entry runtime (once)", (time.perf_counter() - t0) * 1e3))
+            t0 = time.perf_counter()
+        prefix = f"braze{next(_serial)}"
+        mb = ModuleBuilder(prefix, self._access, config.parallel_threshold)
+        segs = [mb.segment(s) for s in self.segments]
+        desc_name = entry.emit_trampolines(mb)
+        text = str(mb.module)
+        self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
+        want = config.debug >= 4 or bool(config.debug_dir) or self._want_text
+        level = config.opt_level if self._loop_work() >= config.optimize_threshold else 0
+        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs]
+        compiled = compile_module(text, names, level, want)
+        self.timings += compiled.timings
+        self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
+        addr = compiled.addresses
+        python_body, run = None, 0
+        self._scratch = _scratch_buffers(self.layout) if self.native else {}
+        if self.native:
+            run = addr[segs[0].name] if segs else 0  # all native: one segment
+        else:
+            self._fns = [_VOID_FN(addr[f.name]) for f in segs]
+            python_body = self._python_body(lowered)
+        scratch = {self.layout.tmp_slot[b]: t.data_ptr() for b, t in self._scratch.items()}
+        self._descriptor = entry.Descriptor(spec, MISS, python_body, run, scratch)
+        self._descriptor.set_object("on_miss", _return_miss)
+        ctypes.c_void_p.from_address(addr[desc_name]).value = self._descriptor.address
+        run_fn = pyfunction(addr[f"{prefix}_entry"], "entry", True, self)
+        body = python_body or pyfunction(addr[f"{prefix}_body"], "body", False, self)
+        return run_fn, body
+
+    def _python_body(self, lowered: Lowered) -> Any:
+        writer = _RunnerWriter(self, lowered)
+        self.source = writer.source()
+        namespace = self._namespace(lowered, writer.consts)
+        exec(compile(self.source, f"<braze program {id(self):x}>", "exec"), namespace)
+        return namespace["body"]
 
     def _access(self, name: str) -> Access:
         owner = self.nodes[self.layout.owner[name]]
@@ -154,28 +266,12 @@ class Program:
         rel = meta.offset - owner.meta.offset
         return Access(self.layout.slot[owner.name], TensorMeta(meta.shape, meta.stride, rel, meta.dtype))
 
-    def _build_native(self) -> list[Any]:
-        if not self.segments:
-            return []
-        t0 = time.perf_counter()
-        mb = ModuleBuilder("braze", self._access, config.parallel_threshold)
-        for seg in self.segments:
-            mb.segment(seg)
-        text = str(mb.module)
-        self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
-        want = config.debug >= 4 or bool(config.debug_dir) or getattr(self, "_want_text", False)
-        level = config.opt_level if self._loop_work() >= config.optimize_threshold else 0
-        compiled = compile_module(text, [s.name for s in self.segments], level, bool(want))
-        self.timings += compiled.timings
-        self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
-        return [_VOID_FN(compiled.addresses[s.name]) for s in self.segments]
-
     def _loop_work(self) -> int:
         """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""
         return sum(k.meta.numel for s in self.segments for k in s.kernels)
 
     def _namespace(self, lowered: Lowered, consts: dict[str, Any]) -> dict[str, Any]:
-        ns: dict[str, Any] = {"_empty": torch.empty_strided, "MISS": MISS, "_ws": self.workspace, **consts}
+        ns: dict[str, Any] = {"_empty": torch.empty_strided, "_ws": self.workspace, **consts}
         ns["_local"] = self._local
         ns.update({f"_seg{i}": f for i, f in enumerate(self._fns)})
         ns.update({f"_p{i}": p for i, p in enumerate(self.params)})
@@ -184,14 +280,25 @@ class Program:
         ns["_check"] = _check_extern_result
         return ns
 
-    def workspace(self) -> Workspace:
-        ws = getattr(self._local, "ws", None)
-        if ws is None:
-            ws = self._local.ws = Workspace(self)
-        return ws
 
-    def __call__(self, *args: Any) -> Any:
-        return self.run(*args)
+def _param_layout(p: torch.Tensor) -> tuple:
+    return type(p), p.shape, p.stride(), p.dtype, p.device
+
+
+def _native_outputs(lowered: Lowered, fresh: dict[str, str]) -> bool:
+    """Every output is a fresh buffer, returned alone or in a plain tuple."""
+    spec = lowered.out_spec
+    flat = spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))
+    return flat and all(isinstance(v, str) and v in fresh for v in lowered.out_leaves)
+
+
+def _native_reads(prog: Program) -> set[str]:
+    """The owners of every value native code reads or writes."""
+    names = set()
+    for seg in prog.segments:
+        for k in seg.kernels:
+            names |= {k.name, *k.value_inputs()} | {i for b in k.body for i in b.value_inputs()}
+    return {prog.layout.owner[n] for n in names if n in prog.layout.owner}
 
 
 def _check_extern_result(t: Any, shape: tuple, stride: tuple, label: str) -> None:
@@ -201,24 +308,25 @@ def _check_extern_result(t: Any, shape: tuple, stride: tuple, label: str) -> Non
 
 @dataclass
 class Guard:
-    """What a program was specialised for, beyond its parameters' addresses."""
+    """What a program was specialised for: its example arguments and the state around them."""
 
     args: tuple[Any, ...]  # the example arguments
     module: torch.nn.Module | None  # whose `training` flag must stay as it was
-    epoch: list[int]  # the global module-change counter (api._epoch) and its value now
-    epoch_value: int
+    epoch: Any  # the global module-change counter (a ctypes int64 cell, api.epoch)
+    epoch_value: int  # and its value now
 
 
 class _RunnerWriter:
-    """Writes the Python source of Program.run / Program.body for one program."""
+    """Writes the Python source of a program's Python body."""
 
-    def __init__(self, prog: Program, lowered: Lowered, guard: Guard) -> None:
-        self.guard = guard
+    def __init__(self, prog: Program, lowered: Lowered) -> None:
         self.prog = prog
         self.lowered = lowered
+        self.reads = _native_reads(prog)
         self.lines: list[str] = []
         self.consts: dict[str, Any] = {}
         self.expr: dict[str, str] = {}
+        self.base: dict[str, tuple[str, TensorMeta]] = {}  # owner -> (variable, its layout)
 
     def const(self, value: Any) -> str:
         name = f"_c{len(self.consts)}"
@@ -231,46 +339,38 @@ class _RunnerWriter:
             return self.expr[name]
         prog = self.prog
         owner = prog.layout.owner[name]
-        node, onode = prog.nodes[name], prog.nodes[owner]
-        if isinstance(onode.attrs["store"], tuple):
+        if isinstance(prog.nodes[owner].attrs["store"], tuple):
             prog.scratch_views.append(name)
             return f"ws.view[{name!r}]"
-        base = self.tensor(owner) if owner != name else self.expr[name]
-        if owner == name:
-            return base
-        m, om = node.meta, onode.meta
-        rel = m.offset - om.offset
-        self.lines.append(f"    {name} = {base}.as_strided({m.shape}, {m.stride}, {base}.storage_offset() + {rel})")
+        var, meta = self.base[owner]
+        m = prog.nodes[name].meta
+        if (m.shape, m.stride, m.offset) == (meta.shape, meta.stride, meta.offset):
+            self.expr[name] = var
+            return var
+        rel = m.offset - meta.offset
+        self.lines.append(f"    {name} = {var}.as_strided({m.shape}, {m.stride}, {var}.storage_offset() + {rel})")
         self.expr[name] = name
         return name
 
+    def _own(self, name: str, var: str, meta: TensorMeta) -> None:
+        self.base[name] = (var, meta)
+
     def source(self) -> str:
         prog, g = self.prog, self.prog.graph
-        args = [f"a{i}" for i in range(self.lowered.n_args)]
-        params = [f"_p{i}" for i in range(len(prog.params))]
-        moved = [f"{p}.data_ptr() != {t.data_ptr()}" for p, t in zip(params, prog.params)]
-        head = [f"    if {' or '.join(moved)}:", "        return MISS"] if moved else []
-        head += [
-            "    try:",
-            "        ws = _local.ws",
-            "    except AttributeError:",
-            "        ws = _ws()",
-            "    t = ws.table",
-        ]
+        slot = prog.layout.slot
+        self.lines += ["    try:", "        ws = _local.ws", "    except AttributeError:", "        ws = _ws()"]
+        self.lines.append("    t = ws.table")
         for n in g.nodes:
             if n.op is Op.INPUT:
-                self.expr[n.name] = f"a{n.attrs['index']}"
+                self._own(n.name, f"a{n.attrs['index']}", n.meta)
         for i, name in enumerate(prog.param_names):
-            self.expr[name] = f"_p{i}"
-        for n in g.nodes:
-            if n.attrs["store"] == "out":
-                m = n.meta
-                self.lines.append(f"    {n.name} = _empty({m.shape}, {m.stride}, dtype={self.const(m.dtype)})")
-                self.lines.append(f"    t[{prog.layout.slot[n.name]}] = {n.name}.data_ptr()")
-                self.expr[n.name] = n.name
-        for n in g.nodes:
-            if n.op is Op.INPUT and self._native_reads(n.name):
-                self.lines.append(f"    t[{prog.layout.slot[n.name]}] = {self.expr[n.name]}.data_ptr()")
+            self._own(name, f"_p{i}", self.prog.nodes[name].meta)
+        for name, m in prog.alloc.items():
+            self.lines.append(f"    {name} = _empty({m.shape}, {m.stride}, dtype={self.const(m.dtype)})")
+            self._own(name, name, m)
+        for name in [*prog.alloc, *prog.param_names, *(n.name for n in g.nodes if n.op is Op.INPUT)]:
+            if name in self.reads:
+                self.lines.append(f"    t[{slot[name]}] = {self.base[name][0]}.data_ptr()")
         seg_of = {s.kernels[-1].name: i for i, s in enumerate(prog.segments)}
         for n in g.nodes:
             if n.name in seg_of:
@@ -278,49 +378,8 @@ class _RunnerWriter:
             elif n.op is Op.EXTERN:
                 self._extern(n)
         self.lines.append(f"    return {self._outputs()}")
-        body = head + self.lines
-        guard = self._guard(args, params)
-        sig = ", ".join(args)
-        run = [
-            f"def run({', '.join([a + '=MISS' for a in args] + ['*rest'])}):",
-            "    try:",
-            f"        if {guard}:",
-            "            return MISS",
-            "    except Exception:",
-            "        return MISS",
-        ]
-        return "\n".join([f"def body({sig}):", *body, "", *run, *body]) + "\n"
-
-    def _guard(self, args: list[str], params: list[str]) -> str:
-        """One boolean expression, true when the call does not match this specialisation."""
-        gd = self.guard
-        checks = ["rest"]
-        grads = [f"{a}.requires_grad" for a, v in zip(args, gd.args) if isinstance(v, torch.Tensor)]
-        grads += [f"{p}.requires_grad" for p in params]
-        if grads:
-            checks.append(f"(_grad_on() and ({' or '.join(grads)}))")
-        tensors = [a for a, v in zip(args, gd.args) if isinstance(v, torch.Tensor)]
-        if tensors:
-            checks.append(f"not _tg({', '.join(tensors)})")
-        for a, v in zip(args, gd.args):
-            if not isinstance(v, torch.Tensor):
-                checks += [f"type({a}) is not {self.const(type(v))}", f"{a} != {self.const(v)}"]
-        if gd.module is not None:
-            checks.append(f"{self.const(gd.module)}.training is not {gd.module.training}")
-        checks.append(f"{self.const(gd.epoch)}[0] != {gd.epoch_value}")
-        # A TorchFunctionMode (e.g. `with torch.device(...)`) is invisible to TensorGuards.
-        checks.append("_function_mode()")
-        self.consts["_grad_on"] = torch.is_grad_enabled
-        self.consts["_function_mode"] = torch._C._is_torch_function_mode_enabled
-        return " or ".join(checks)
-
-    def _native_reads(self, name: str) -> bool:
-        for seg in self.prog.segments:
-            for k in seg.kernels:
-                reads = set(k.value_inputs()) | {i for b in k.body for i in b.value_inputs()}
-                if any(self.prog.layout.owner.get(r) == name for r in reads):
-                    return True
-        return False
+        args = ", ".join(f"a{i}" for i in range(self.lowered.n_args))
+        return "\n".join([f"def body({args}):", *self.lines]) + "\n"
 
     def _py(self, x: Any) -> str:
         if isinstance(x, Sym):
@@ -341,8 +400,11 @@ class _RunnerWriter:
         kwargs = ", ".join(f"{k}={self._py(v)}" for k, v in n.attrs["kwargs"].items())
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
         self.lines.append(f"    {n.name} = {call}")
-        self.expr[n.name] = n.name
-        if n.name in self.prog.layout.slot and self._native_reads(n.name):
+        if n.meta is not None and n.attrs["store"] == "extern":
+            self._own(n.name, n.name, n.meta)
+        else:
+            self.expr[n.name] = n.name
+        if n.name in self.prog.layout.slot and n.name in self.reads:
             m = n.meta
             self.lines.append(f"    _check({n.name}, {m.shape}, {m.stride}, {n.attrs['label']!r})")
             self.lines.append(f"    t[{self.prog.layout.slot[n.name]}] = {n.name}.data_ptr()")

@@ -54,12 +54,17 @@ def compare(fns: dict[str, Callable[..., Any]], args: tuple, rounds: int = 15, s
     return out
 
 
-def blas_only_us(prog: Any, *args: Any, rounds: int = 15, seconds: float = 0.05) -> float:
-    """Microseconds the program's sgemm_ calls take alone, with the same arguments and buffers.
+def blas_only_us(prog: Any, rounds: int = 15, seconds: float = 0.05) -> float:
+    """Microseconds the program's sgemm_ calls take alone, with the same arguments.
 
-    Built from the program's own GEMM nodes with bias and epilogue removed, so `braze call -
-    this` is everything braze adds: guards, allocation, pointer set-up, loops, the ctypes call.
+    Built from the program's own GEMM nodes with bias and epilogue removed, run on buffers of
+    the program's sizes, so `braze call - this` is everything braze adds: the guard, allocation,
+    pointer set-up, loops, the call from Python.
     """
+    import ctypes
+
+    import torch
+
     from .codegen import ModuleBuilder, Segment
     from .ir import Op
     from .jit import compile_module
@@ -70,15 +75,18 @@ def blas_only_us(prog: Any, *args: Any, rounds: int = 15, seconds: float = 0.05)
         return 0.0
     bare = [dataclasses.replace(n, inputs=n.inputs[:2] + (None,), attrs={**n.attrs, "body": ()}) for n in gemms]
     mb = ModuleBuilder("blas_only", prog._access, 1 << 62)
-    mb.segment(Segment("blas_only", bare))
-    mb.segment(Segment("empty", []))
-    addr = compile_module(str(mb.module), ["blas_only", "empty"], 2, False).addresses
-    blas, empty = _VOID_FN(addr["blas_only"]), _VOID_FN(addr["empty"])
-    keep = prog.body(*args)  # fills the slot table with live buffers
-    ws = prog.workspace()
+    names = [mb.segment(Segment("blas", bare)).name, mb.segment(Segment("empty", [])).name]
+    addr = compile_module(str(mb.module), names, 2, False).addresses
+    blas, empty = _VOID_FN(addr[names[0]]), _VOID_FN(addr[names[1]])
+    nbytes: dict[int, int] = {}
+    for n in bare:
+        for v in (n.name, *n.value_inputs()):
+            acc = prog._access(v)
+            nbytes[acc.slot] = max(nbytes.get(acc.slot, 0), (acc.meta.span + 1) * 4)
+    buffers = {slot: torch.randn(nb // 4) for slot, nb in nbytes.items()}
+    table = (ctypes.c_void_p * (max(nbytes) + 1))()
+    for slot, t in buffers.items():
+        table[slot] = t.data_ptr()
+    at = ctypes.addressof(table)
     # The ctypes call itself is braze's overhead, not BLAS time: subtract an empty native call.
-    best = min(
-        _per_call_us(blas, (ws.addr,), seconds) - _per_call_us(empty, (ws.addr,), seconds) for _ in range(rounds)
-    )
-    del keep
-    return best
+    return min(_per_call_us(blas, (at,), seconds) - _per_call_us(empty, (at,), seconds) for _ in range(rounds))

@@ -28,7 +28,7 @@ def test_one_loop_per_fused_kernel_and_one_function_per_segment():
     s = report(lambda x: torch.tanh((x + 1) * 2) - 3, torch.randn(100))
     ir = s["LLVM IR"]
     assert len(re.findall(r"define internal void @\"loop\d+\"", ir)) == 2
-    assert len(re.findall(r"define void @\"seg\d+\"", ir)) == 2  # the extern tanh splits them
+    assert len(re.findall(r"define void @\"braze\d+_seg\d+\"", ir)) == 2  # the extern tanh splits them
 
 
 def test_contiguous_loops_are_vectorised():

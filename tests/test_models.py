@@ -145,7 +145,7 @@ def test_switching_no_grad_and_inference_mode_keeps_the_fast_path():
         with mode():
             check_model(model, (x,), compiled=compiled)
             (prog,) = compiled.programs()
-            assert prog.run(x) is not braze.runtime.MISS  # the fast path takes this state again
+            assert prog.entry(x) is not braze.runtime.MISS  # the fast path takes this state again
 
 
 class _CountingDispatch(TorchDispatchMode):

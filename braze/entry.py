@@ -1,0 +1,437 @@
+"""Stage 5, entry points: how a call gets from Python into a program's machine code.
+
+Every program has two CPython-callable native functions:
+
+- `entry(*args, **kwargs)` is what a call of a compiled model runs. It checks the call against
+  the specialisation (the guard), then runs `body`, or hands the whole call to `on_miss` (the
+  wrapper's slow path, which recompiles or runs eagerly);
+- `body(*args)` runs the program unchecked: natively, when every node is native code and every
+  output is a fresh tensor (it reads the data pointers, allocates the outputs with ATen's
+  allocator, releases the GIL around the kernels and wraps the outputs as Python tensors); else
+  by calling the program's generated Python body, which makes the ATen calls.
+
+Both are the same two functions for every program, `braze_entry` and `braze_body`, built once per
+process; a program passes them its Descriptor: what to check and what to run, as data. A
+program's own module holds only its kernels and two trampolines that pass its descriptor.
+
+Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch); a Python
+tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import llvmlite.ir as ll
+import torch
+
+from .codegen import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, _for
+from .ir import TensorMeta
+from .jit import TENSOR_OFFSET, WRAP, compile_module, define_symbols, shim_constant
+
+NULL = ll.Constant(PTR, None)
+PY_EQ = 2
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What the entry checks and what a native body reads and writes (slots of its table)."""
+
+    n_args: int
+    tensor_args: tuple[int, ...]  # positions TensorGuards checks
+    const_args: tuple[tuple[int, Any], ...]  # (position, value) of specialised Python values
+    grad_inputs: bool  # an input required grad at compile time (TensorGuards keeps it so)
+    params: tuple[torch.Tensor, ...]  # every parameter: none may require grad in grad mode
+    param_slots: tuple[int, ...]  # per parameter, its slot if native code reads it, else -1
+    module: torch.nn.Module | None  # whose `training` flag must stay as compiled
+    epoch: Any  # ctypes int64 cell bumped when any module changes structure
+    epoch_value: int
+    inputs: tuple[tuple[int, int], ...]  # (argument position, slot) read natively
+    outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout) allocated per call and returned
+    tuple_output: bool
+    scratch: tuple[tuple[int, int], ...]  # (slot, bytes) of buffers kept across calls
+    n_slots: int
+
+
+# --- the descriptor: one record of 8-byte words, read by the generic code by index ----------------
+
+_FIELDS = (
+    "miss on_miss tg py_body run fn_mode true false training requires_grad module expected_training oom "
+    "epoch epoch_value n_args n_tensors tensor_pos tensor_argv n_consts const_pos const_types const_values "
+    "grad_inputs n_params params n_inputs inputs n_outputs outputs tuple_output n_scratch scratch "
+    "scratch_total n_slots busy"
+).split()
+W = {name: i for i, name in enumerate(_FIELDS)}
+PARAM_WORDS = ("obj", "type", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
+OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
+SCRATCH_WORDS = ("slot", "offset", "kept")
+
+
+def _words(values: list[int]) -> Any:
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
+
+
+class Descriptor:
+    """A program's descriptor, in memory that native code reads; it keeps what it points at alive."""
+
+    def __init__(self, spec: EntrySpec, miss: Any, py_body: Any, run: int, scratch: dict[int, int]) -> None:
+        self._keep: list[Any] = []
+        self._objects: dict[str, Any] = {}  # what each object word points at, kept alive
+        self.words = _words([0] * len(_FIELDS))
+        self.address = ctypes.addressof(self.words)
+        objs = {"miss": miss, "py_body": py_body, "fn_mode": torch._C._is_torch_function_mode_enabled}
+        objs |= {"true": True, "false": False, "training": "training", "requires_grad": "requires_grad"}
+        objs |= {"oom": torch.OutOfMemoryError, "module": spec.module}
+        objs["expected_training"] = spec.module.training if spec.module is not None else None
+        for name, obj in objs.items():
+            self.set_object(name, obj)
+        self.set("run", run)
+        self.set("epoch", ctypes.addressof(spec.epoch))
+        self.set("epoch_value", spec.epoch_value)
+        self.set("n_args", spec.n_args)
+        self._set_array("tensor_pos", "n_tensors", list(spec.tensor_args))
+        self.set("tensor_argv", self._array([0] * len(spec.tensor_args)))
+        self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
+        self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
+        self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
+        self.set("grad_inputs", int(spec.grad_inputs))
+        params = [w for p, slot in zip(spec.params, spec.param_slots) for w in self._param(p, slot)]
+        self._set_array("params", "n_params", params, len(spec.params))
+        self._set_array("inputs", "n_inputs", [w for pair in spec.inputs for w in pair], len(spec.inputs))
+        outputs = [w for slot, meta in spec.outputs for w in self._output(slot, meta)]
+        self._set_array("outputs", "n_outputs", outputs, len(spec.outputs))
+        self.set("tuple_output", int(spec.tuple_output))
+        offsets, total = [], 0
+        for _, nbytes in spec.scratch:
+            offsets.append(total)
+            total += -(-nbytes // 64) * 64  # a fresh allocation holds them all, 64-byte aligned
+        records = [w for (slot, _), off in zip(spec.scratch, offsets) for w in (slot, off, scratch[slot])]
+        self._set_array("scratch", "n_scratch", records, len(spec.scratch))
+        self.set("scratch_total", total)
+        self.set("n_slots", spec.n_slots)
+
+    def set(self, name: str, value: int) -> None:
+        self.words[W[name]] = value
+
+    def set_object(self, name: str, obj: Any) -> None:
+        """Point word `name` at a Python object (None reads as NULL)."""
+        self._objects[name] = obj
+        self.set(name, 0 if obj is None else id(obj))
+
+    def _ref(self, obj: Any) -> int:
+        self._keep.append(obj)
+        return id(obj)
+
+    def _array(self, values: list[int]) -> int:
+        arr = _words(values)
+        self._keep.append(arr)
+        return ctypes.addressof(arr)
+
+    def _set_array(self, name: str, count: str, values: list[int], n: int | None = None) -> None:
+        self.set(name, self._array(values))
+        self.set(count, len(values) if n is None else n)
+
+    def _shape(self, meta_shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
+        return self._array(list(meta_shape)), self._array(list(stride))
+
+    def _param(self, p: torch.Tensor, slot: int) -> list[int]:
+        sizes, strides = self._shape(tuple(p.shape), p.stride())
+        return [self._ref(p), self._ref(type(p)), _dtype(p.dtype), p.dim(), sizes, strides, slot, int(p.numel() > 0)]
+
+    def _output(self, slot: int, meta: TensorMeta) -> list[int]:
+        sizes, strides = self._shape(meta.shape, meta.stride)
+        return [slot, _dtype(meta.dtype), len(meta.shape), sizes, strides]
+
+
+def _dtype(dtype: torch.dtype) -> int:
+    return shim_constant(f"dtype_{str(dtype).removeprefix('torch.')}")
+
+
+# --- per program: two trampolines that pass the program's descriptor -------------------------------
+
+
+def emit_trampolines(mb: ModuleBuilder) -> str:
+    """Add `{prefix}_entry` and `{prefix}_body`, reading the descriptor address from the global
+    `{prefix}_desc` (filled after loading); return that global's name."""
+    desc = ll.GlobalVariable(mb.module, PTR, f"{mb.prefix}_desc")
+    desc.initializer = NULL
+    for name, args in (("entry", [PTR, PTR, I64, PTR]), ("body", [PTR, PTR, I64])):
+        fn = ll.Function(mb.module, ll.FunctionType(PTR, args), f"{mb.prefix}_{name}")
+        target = mb.declare(f"braze_{name}", PTR, [PTR, *args[1:]])
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
+        b.ret(b.call(target, [b.load(desc, typ=PTR), *fn.args[1:]], tail=True))
+    return desc.name
+
+
+# --- the generic code, built once per process ------------------------------------------------------
+
+_lock = threading.Lock()
+_runtime: dict[str, int] = {}
+
+
+def ensure_runtime() -> bool:
+    """Build braze_entry and braze_body, once per process, and make them callable from every
+    program's module; True if this call built them. Without LLVM's optimiser: their time goes
+    into calls of the C API, and -O2 would add ~50 ms to the first compile of every process."""
+    with _lock:
+        if _runtime:
+            return False
+        mb = ModuleBuilder("braze_rt", lambda name: None, 0)  # type: ignore[arg-type,return-value]
+        _Runtime(mb).emit()
+        names = ["braze_entry", "braze_body"]
+        _runtime.update(compile_module(str(mb.module), names, 0, False).addresses)
+        define_symbols(_runtime)
+        return True
+
+
+class _Callee:
+    """A function pointer as a call target (llvmlite's call reads the callee's function type)."""
+
+    def __init__(self, value: ll.Value, function_type: ll.FunctionType) -> None:
+        self.value, self.function_type, self.type = value, function_type, PTR
+
+    def get_reference(self) -> str:
+        return self.value.get_reference()
+
+
+class _Runtime:
+    def __init__(self, mb: ModuleBuilder) -> None:
+        self.mb = mb
+        d = mb.declare
+        self.vectorcall = d("PyObject_Vectorcall", PTR, [PTR, PTR, I64, PTR])
+        self.getattr = d("PyObject_GetAttr", PTR, [PTR, PTR])
+        self.decref = d("Py_DecRef", VOID, [PTR])  # Py_XDECREF: NULL is fine
+        self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
+        self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
+
+    def emit(self) -> None:
+        body = self._body()
+        self._entry(body)
+
+    # --- reading the descriptor --------------------------------------------------------------
+    @staticmethod
+    def word(b: ll.IRBuilder, base: ll.Value, index: ll.Value | int, ty: ll.Type = I64) -> ll.Value:
+        i = I64(index) if isinstance(index, int) else index
+        return b.load(b.gep(base, [i], source_etype=I64), typ=ty)
+
+    def field(self, b: ll.IRBuilder, d: ll.Value, name: str, ty: ll.Type = I64) -> ll.Value:
+        return self.word(b, d, W[name], ty)
+
+    def record(self, b: ll.IRBuilder, d: ll.Value, name: str, i: ll.Value, words: tuple[str, ...]) -> Callable:
+        """Accessor for word `w` of record `i` of the array `name`."""
+        base = self.field(b, d, name, PTR)
+        start = b.mul(i, I64(len(words)))
+        return lambda w, ty=I64: self.word(b, base, b.add(start, I64(words.index(w))), ty)
+
+    @staticmethod
+    def item(b: ll.IRBuilder, array: ll.Value, i: ll.Value | int) -> ll.Value:
+        return b.gep(array, [I64(i) if isinstance(i, int) else i], source_etype=PTR)
+
+    # --- braze_entry: the guard --------------------------------------------------------------
+    def _entry(self, body: ll.Function) -> None:
+        fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR, I64, PTR]), "braze_entry")
+        d, args, nargs, kwnames = fn.args
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
+        miss = fn.append_basic_block("miss")
+
+        def require(ok: ll.Value) -> None:
+            nxt = fn.append_basic_block("ok")
+            b.cbranch(ok, nxt, miss)
+            b.position_at_end(nxt)
+
+        f = lambda name, ty=I64: self.field(b, d, name, ty)  # noqa: E731
+        require(b.and_(b.icmp_unsigned("==", kwnames, NULL), b.icmp_signed("==", nargs, f("n_args"))))
+        require(b.icmp_signed("==", b.load(f("epoch", PTR), typ=I64), f("epoch_value")))
+        self._check_consts(b, d, args, require)
+        self._check_tensors(b, d, args, require)
+        with _for(b, I64(0), f("n_params")) as i:
+            self._check_param(b, d, i, require)
+        with b.if_then(b.icmp_unsigned("!=", f("module", PTR), NULL)):
+            training = self._getattr(b, f("module", PTR), f("training", PTR))
+            require(b.icmp_unsigned("==", training, f("expected_training", PTR)))
+        fn_mode = b.call(self.vectorcall, [f("fn_mode", PTR), NULL, I64(0), NULL])
+        b.call(self.decref, [fn_mode])
+        require(b.icmp_unsigned("==", fn_mode, f("false", PTR)))
+        self._check_grad(b, d, require)
+        b.ret(b.call(body, [d, args, nargs], tail=True))
+        b.position_at_end(miss)
+        b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
+        b.ret(b.call(self.vectorcall, [f("on_miss", PTR), args, nargs, kwnames]))
+
+    def _getattr(self, b: ll.IRBuilder, obj: ll.Value, name: ll.Value) -> ll.Value:
+        """obj.name, compared by identity only (True, False), so released at once."""
+        r = b.call(self.getattr, [obj, name])
+        b.call(self.decref, [r])
+        return r
+
+    def _check_consts(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, require: Callable) -> None:
+        """type(arg) is type(value) and arg == value, for each specialised Python argument."""
+        cmp = self.mb.declare("PyObject_RichCompareBool", I32, [PTR, PTR, I32])
+        with _for(b, I64(0), self.field(b, d, "n_consts")) as i:
+            arg = b.load(self.item(b, args, self.word(b, self.field(b, d, "const_pos", PTR), i)), typ=PTR)
+            ob_type = b.load(b.gep(arg, [I64(8)], source_etype=I8), typ=PTR)
+            require(b.icmp_unsigned("==", ob_type, self.word(b, self.field(b, d, "const_types", PTR), i, PTR)))
+            value = self.word(b, self.field(b, d, "const_values", PTR), i, PTR)
+            require(b.icmp_signed("==", b.call(cmp, [arg, value, I32(PY_EQ)]), I32(1)))
+
+    def _check_tensors(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, require: Callable) -> None:
+        """TensorGuards.check(*tensor arguments) is True."""
+        n = self.field(b, d, "n_tensors")
+        with b.if_then(b.icmp_signed(">", n, I64(0))):
+            argv = self.field(b, d, "tensor_argv", PTR)
+            with _for(b, I64(0), n) as i:
+                pos = self.word(b, self.field(b, d, "tensor_pos", PTR), i)
+                b.store(b.load(self.item(b, args, pos), typ=PTR), self.item(b, argv, i))
+            r = b.call(self.vectorcall, [self.field(b, d, "tg", PTR), argv, n, NULL])
+            b.call(self.decref, [r])
+            require(b.icmp_unsigned("==", r, self.field(b, d, "true", PTR)))
+
+    def _check_param(self, b: ll.IRBuilder, d: ll.Value, i: ll.Value, require: Callable) -> None:
+        """A parameter native code reads: same type, dtype, device, layout, sizes and strides,
+        and memory behind it (the pointer itself is read again by the body)."""
+        p = self.record(b, d, "params", i, PARAM_WORDS)
+        with b.if_then(b.icmp_signed(">=", p("slot"), I64(0))):
+            obj = p("obj", PTR)
+            require(b.icmp_unsigned("==", b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR), p("type", PTR)))
+            h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
+            out = self._alloca(b, I64)
+            for getter, want in (
+                ("dtype", p("dtype")),
+                ("device_type", I64(shim_constant("device_type_cpu"))),
+                ("layout", I64(shim_constant("layout_strided"))),
+            ):
+                b.store(I64(0), out)  # the getters write an int32 into it
+                b.call(self.mb.declare(f"aoti_torch_get_{getter}", I32, [PTR, PTR]), [h, out])
+                require(b.icmp_signed("==", b.load(out, typ=I64), want))
+            b.call(self.mb.declare("aoti_torch_get_dim", I32, [PTR, PTR]), [h, out])
+            ndim = p("ndim")
+            require(b.icmp_signed("==", b.load(out, typ=I64), ndim))
+            for getter in ("sizes", "strides"):
+                b.call(self.mb.declare(f"aoti_torch_get_{getter}", I32, [PTR, PTR]), [h, out])
+                have, want = b.load(out, typ=PTR), p(getter, PTR)
+                with _for(b, I64(0), ndim) as k:
+                    require(b.icmp_signed("==", self.word(b, have, k), self.word(b, want, k)))
+            b.call(self.data_ptr, [h, out])
+            empty = b.icmp_signed("==", p("nonempty"), I64(0))
+            require(b.or_(empty, b.icmp_unsigned("!=", b.load(out, typ=PTR), NULL)))
+
+    def _check_grad(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
+        """With grad mode on, no input or parameter may require grad (autograd needs eager)."""
+        enabled = b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])
+        with b.if_then(enabled):
+            require(b.icmp_signed("==", self.field(b, d, "grad_inputs"), I64(0)))
+            with _for(b, I64(0), self.field(b, d, "n_params")) as i:
+                obj = self.record(b, d, "params", i, PARAM_WORDS)("obj", PTR)
+                flag = self._getattr(b, obj, self.field(b, d, "requires_grad", PTR))
+                require(b.icmp_unsigned("==", flag, self.field(b, d, "false", PTR)))
+
+    # --- braze_body --------------------------------------------------------------------------
+    def _body(self) -> ll.Function:
+        fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR, I64]), "braze_body")
+        d, args, nargs = fn.args
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
+        f = lambda name, ty=I64: self.field(b, d, name, ty)  # noqa: E731
+        py_body = f("py_body", PTR)
+        with b.if_then(b.icmp_unsigned("!=", py_body, NULL)):
+            b.ret(b.call(self.vectorcall, [py_body, args, nargs, NULL]))
+        table = b.alloca(PTR, size=f("n_slots"))
+        n_out = f("n_outputs")
+        handles = b.alloca(PTR, size=n_out)
+        oom = fn.append_basic_block("oom")
+        with _for(b, I64(0), n_out) as k:
+            b.store(NULL, self.item(b, handles, k))
+        with _for(b, I64(0), n_out) as k:
+            self._allocate(b, d, k, self.item(b, handles, k), table, oom)
+        with _for(b, I64(0), f("n_inputs")) as k:
+            rec = self.record(b, d, "inputs", k, ("pos", "slot"))
+            arg = b.load(self.item(b, args, rec("pos")), typ=PTR)
+            self._pointer_into(b, arg, table, rec("slot"))
+        with _for(b, I64(0), f("n_params")) as k:
+            p = self.record(b, d, "params", k, PARAM_WORDS)
+            with b.if_then(b.icmp_signed(">=", p("slot"), I64(0))):
+                self._pointer_into(b, p("obj", PTR), table, p("slot"))
+        busy = b.gep(d, [I64(W["busy"])], source_etype=I64)
+        took = b.extract_value(b.cmpxchg(busy, I64(0), I64(1), "acquire", "monotonic"), 1)
+        fresh = self._scratch(b, d, table, took, oom)
+        state = b.call(self.mb.declare("PyEval_SaveThread", PTR, []), [])
+        run = f("run", PTR)
+        with b.if_then(b.icmp_unsigned("!=", run, NULL)):
+            b.call(_Callee(run, ll.FunctionType(VOID, [PTR])), [table])
+        b.call(self.mb.declare("PyEval_RestoreThread", VOID, [PTR]), [state])
+        with b.if_else(took) as (kept, other):
+            with kept:
+                b.atomic_rmw("xchg", busy, I64(0), "release")
+            with other:
+                b.call(self.mb.declare("free", VOID, [PTR]), [fresh])
+        self._results(b, d, handles)
+        b.position_at_end(oom)
+        with _for(b, I64(0), n_out) as k:  # NULL handles are deleted as no-ops
+            b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
+        text = self.mb.cstring("braze_oom", "braze: out of memory for a compiled program's buffers")
+        b.call(self.mb.declare("PyErr_SetString", VOID, [PTR, PTR]), [f("oom", PTR), text])
+        b.ret(NULL)
+        return fn
+
+    def _allocate(
+        self, b: ll.IRBuilder, d: ll.Value, k: ll.Value, handle: ll.Value, table: ll.Value, oom: ll.Block
+    ) -> None:
+        """Output k: a fresh tensor of its layout, from ATen's allocator."""
+        o = self.record(b, d, "outputs", k, OUTPUT_WORDS)
+        empty = self.mb.declare("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
+        cpu = I32(shim_constant("device_type_cpu"))
+        dtype = b.trunc(o("dtype"), I32)
+        err = b.call(empty, [o("ndim"), o("sizes", PTR), o("strides", PTR), dtype, cpu, I32(0), handle])
+        ok = b.append_basic_block("allocated")
+        b.cbranch(b.icmp_signed("==", err, I32(0)), ok, oom)
+        b.position_at_end(ok)
+        b.call(self.data_ptr, [b.load(handle, typ=PTR), self.item(b, table, o("slot"))])
+
+    def _scratch(self, b: ll.IRBuilder, d: ll.Value, table: ll.Value, took: ll.Value, oom: ll.Block) -> ll.Value:
+        """Point the table's scratch slots at the program's kept buffers or, while another thread
+        runs this program, into one fresh allocation, which is returned (else NULL)."""
+        fresh = self._alloca(b, PTR)
+        b.store(NULL, fresh)
+        total = self.field(b, d, "scratch_total")
+        with b.if_then(b.and_(b.not_(took), b.icmp_signed(">", total, I64(0)))):
+            mem = b.call(self.mb.declare("aligned_alloc", PTR, [I64, I64]), [I64(64), total])
+            ok = b.append_basic_block("scratch_allocated")
+            b.cbranch(b.icmp_unsigned("!=", mem, NULL), ok, oom)
+            b.position_at_end(ok)
+            b.store(mem, fresh)
+        with _for(b, I64(0), self.field(b, d, "n_scratch")) as k:
+            s = self.record(b, d, "scratch", k, SCRATCH_WORDS)
+            into = b.gep(b.load(fresh, typ=PTR), [s("offset")], source_etype=I8)
+            b.store(b.select(took, s("kept", PTR), into), self.item(b, table, s("slot")))
+        return b.load(fresh, typ=PTR)
+
+    def _results(self, b: ll.IRBuilder, d: ll.Value, handles: ll.Value) -> None:
+        """Wrap each output as a Python tensor; return it, or a tuple of them."""
+        wrap = self.mb.declare(WRAP, PTR, [PTR])
+        n = self.field(b, d, "n_outputs")
+
+        def wrapped(k: ll.Value | int) -> ll.Value:
+            h = b.load(self.item(b, handles, k), typ=PTR)
+            obj = b.call(wrap, [h])
+            b.call(self.delete, [h])  # moved from by the wrap: frees only the handle
+            return obj
+
+        with b.if_then(b.icmp_signed("==", self.field(b, d, "tuple_output"), I64(0))):
+            b.ret(wrapped(0))
+        tup = b.call(self.mb.declare("PyTuple_New", PTR, [I64]), [n])
+        with _for(b, I64(0), n) as k:
+            b.call(self.mb.declare("PyTuple_SetItem", I32, [PTR, I64, PTR]), [tup, k, wrapped(k)])
+        b.ret(tup)
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _pointer_into(self, b: ll.IRBuilder, obj: ll.Value, table: ll.Value, slot: ll.Value) -> None:
+        handle = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
+        b.call(self.data_ptr, [handle, self.item(b, table, slot)])
+
+    @staticmethod
+    def _alloca(b: ll.IRBuilder, ty: ll.Type) -> ll.Value:
+        with b.goto_entry_block():
+            return b.alloca(ty)

@@ -1,0 +1,226 @@
+"""The native entry: what its guard refuses, what a native body returns, and that it neither
+leaks nor crashes (it handles reference counts and raw pointers itself)."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import braze
+from braze.entry import W
+from braze.runtime import MISS
+
+from .helpers import assert_same, check_model
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+
+
+def program(compiled: braze.CompiledModule) -> braze.runtime.Program:
+    (prog,) = compiled.programs()
+    return prog
+
+
+def test_a_matching_call_goes_straight_to_the_native_entry():
+    compiled = check_model(mlp(), (torch.randn(8, 16),))
+    prog = program(compiled)
+    assert prog.native and type(compiled).__call__ is prog.entry
+    assert type(compiled) is not braze.CompiledModule and isinstance(compiled, braze.CompiledModule)
+    assert type(braze.compile(mlp())) is not type(compiled)  # one class per wrapper
+
+
+@pytest.mark.parametrize(
+    "fn,native",
+    [
+        (lambda x: (x * 2, x + 1), True),  # a tuple of fresh tensors
+        (lambda x: x.relu().view(-1), True),  # a whole-buffer view is allocated as itself
+        (lambda x: {"y": x * 2}, False),  # other structures: the Python body
+        (lambda x: (x * 2, x), False),  # returns an input
+        (lambda x: torch.tanh(x) * 2, False),  # an ATen call
+        (lambda x: (x * 2)[1:], False),  # part of a buffer
+    ],
+    ids=["tuple", "view", "dict", "input", "extern", "slice"],
+)
+def test_native_or_python_body(fn, native):
+    compiled = braze.compile(fn)
+    x = torch.randn(6, 5)
+    for _ in range(2):  # the second call takes the entry
+        check_model(fn, (x,), compiled=compiled)
+    assert program(compiled).native is native
+
+
+def test_a_linear_on_a_3d_input_is_native():
+    # The GEMM writes a 2-D buffer; the 3-D output is allocated as such and returned.
+    compiled = braze.compile(nn.Linear(8, 3).eval())
+    for _ in range(2):
+        check_model(compiled.fn, (torch.randn(2, 5, 8),), compiled=compiled)
+    assert program(compiled).native
+
+
+def test_the_guard_refuses_what_the_program_was_not_compiled_for():
+    model = mlp()
+    compiled = braze.compile(model)
+    x = torch.randn(8, 16)
+    check_model(model, (x,), compiled=compiled)
+    prog = program(compiled)
+    prog.bind(lambda *a, **k: MISS)  # see the refusals instead of the slow path
+    with torch.no_grad():
+        assert prog.entry(x) is not MISS
+        for args, kwargs in [
+            ((torch.randn(9, 16),), {}),  # shape
+            ((torch.randn(16, 8).t(),), {}),  # strides
+            ((x.double(),), {}),  # dtype
+            ((x, x), {}),  # argument count
+            ((), {"input": x}),  # keywords
+            (("text",), {}),  # not a tensor
+            ((torch._neg_view(x),), {}),  # a lazily negated tensor: dispatch keys
+        ]:
+            assert prog.entry(*args, **kwargs) is MISS, (args, kwargs)
+        model.train()
+        assert prog.entry(x) is MISS
+        model.eval()
+        with torch.device("cpu"):  # a TorchFunctionMode
+            assert prog.entry(x) is MISS
+    model[0].weight.requires_grad_(True)
+    assert prog.entry(x) is MISS  # grad mode on and a parameter requires grad
+    with torch.no_grad():
+        model[0].weight.data = torch.randn(32, 16).t().contiguous().t()  # same shape, other strides
+        assert prog.entry(x) is MISS
+
+
+def test_specialised_python_arguments_are_checked_natively():
+    def f(x, scale, shift):
+        return x * scale + shift
+
+    compiled = braze.compile(f)
+    x = torch.randn(5)
+    for scale, shift in [(2.0, 1), (2.0, 1), (3, 1), (2.0, 0.5), (2.0, True)]:
+        check_model(f, (x, scale, shift), compiled=compiled)
+    prog = compiled.programs()[0]
+    prog.bind(lambda *a, **k: MISS)
+    assert prog.entry(x, 2.0, 1) is not MISS
+    assert prog.entry(x, 2, 1) is MISS  # same value, other type
+    assert prog.entry(x, 2.5, 1) is MISS
+    assert prog.entry(x, 2.0, True) is MISS
+
+
+def test_replaced_parameter_data_is_read_without_recompiling():
+    model = mlp()
+    compiled = braze.compile(model)
+    x = torch.randn(8, 16)
+    check_model(model, (x,), compiled=compiled)
+    with torch.no_grad():
+        model[2].weight.data = torch.randn(32, 32)  # new memory, same layout
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.programs()) == 1
+    model.double()  # a new dtype: compiled again
+    check_model(model, (x.double(),), compiled=compiled)
+
+
+def test_outputs_are_inference_tensors_under_inference_mode():
+    model = mlp()
+    compiled = braze.compile(model)
+    x = torch.randn(8, 16)
+    with torch.inference_mode():
+        for _ in range(2):
+            out = compiled(x)
+            assert out.is_inference() == model(x).is_inference()
+    with torch.no_grad():
+        assert not compiled(x).is_inference()
+
+
+def test_zero_size_and_scalar_outputs():
+    check_model(lambda x: (x * 2, x.sum(0) * 0 + 1), (torch.randn(0, 3),))
+    compiled = braze.compile(lambda x: x * 2)
+    for x in (torch.randn(0, 5), torch.randn(0, 5), torch.tensor(3.0), torch.tensor(3.0)):
+        check_model(compiled.fn, (x,), compiled=compiled)
+
+
+def test_no_reference_is_leaked_or_lost():
+    model = mlp()
+    compiled = braze.compile(model)
+    x, other = torch.randn(8, 16), torch.randn(3, 16)
+    watched = (x, other, MISS, compiled, *model.parameters())
+    with torch.no_grad():
+        for _ in range(2):  # both programs compiled, each entered once
+            compiled(x)
+            compiled(other)
+        gc.collect()
+        refs = [sys.getrefcount(o) for o in watched]
+        for _ in range(1000):
+            out = compiled(x)
+        del out
+        for _ in range(100):
+            compiled(other)  # a miss each time: the slow path, then the other program's entry
+            compiled(x)
+        gc.collect()
+        assert [sys.getrefcount(o) for o in watched] == refs
+
+
+def _grown_mb(fn, x, calls: int) -> float:
+    fn(x)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(calls):
+        fn(x)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def test_outputs_and_their_handles_are_freed():
+    compiled = braze.compile(lambda x: x * 2)
+    assert _grown_mb(compiled, torch.randn(1 << 20), 500) < 100  # 4 MB outputs: 2 GB if kept
+    assert _grown_mb(compiled, torch.randn(1), 300_000) < 4  # a lost 8-byte handle a call: ~10 MB
+
+
+def test_a_second_thread_inside_the_program_gets_buffers_of_its_own():
+    model = mlp()
+    compiled = braze.compile(model)
+    x = torch.randn(64, 16)
+    check_model(model, (x,), compiled=compiled)
+    prog = program(compiled)
+    assert prog.layout.scratch_bytes, "the test needs a program with scratch buffers"
+    words = prog._descriptor.words
+    words[W["busy"]] = 1  # as if another thread were running it now
+    try:
+        check_model(model, (x,), compiled=compiled)
+    finally:
+        words[W["busy"]] = 0
+
+
+def test_threads_running_native_bodies_at_once():
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).eval()  # GEMMs long enough to overlap
+    compiled = braze.compile(model)
+    inputs = [torch.randn(128, 256) for _ in range(4)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    errors: list[int] = []
+
+    def work(i: int) -> None:
+        with torch.no_grad():
+            for _ in range(50):
+                if not torch.equal(compiled(inputs[i]), expected[i]):
+                    errors.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and program(compiled).native
+
+
+def test_bad_outputs_of_a_binding_are_not_native_concerns():
+    # The slow path's own answer (here an exception from eager) passes through the entry.
+    model = mlp()
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        compiled(torch.randn(2, 16))
+        with pytest.raises(RuntimeError):
+            compiled(torch.randn(2, 17))
+        assert_same(compiled(torch.ones(2, 16)), model(torch.ones(2, 16)))
