@@ -31,6 +31,9 @@ optimize_threshold: int = _env_int("BRAZE_OPTIMIZE_THRESHOLD", 1 << 16)
 # Elementwise loops with at least this many elements run on torch.get_num_threads() threads
 # (ATen's own grain size, so braze splits work where eager does).
 parallel_threshold: int = _env_int("BRAZE_PARALLEL_THRESHOLD", 32768)
+# A native body releases the GIL around its kernels (so other Python threads run meanwhile) when
+# they do at least this many floating-point operations; below, the ~0.1 us it costs is not worth it.
+release_gil_flops: int = _env_int("BRAZE_RELEASE_GIL_FLOPS", 1 << 20)
 # Set to 1 to skip native code entirely (every op goes through ATen); a debugging aid.
 disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
 
@@ -47,6 +50,7 @@ _KNOBS = (
     "opt_level",
     "optimize_threshold",
     "parallel_threshold",
+    "release_gil_flops",
     "disable_native",
     "gc_freeze",
 )

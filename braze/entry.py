@@ -55,6 +55,7 @@ class EntrySpec:
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes) of buffers kept across calls
     n_slots: int
+    release_gil: bool  # around the kernels: other Python threads run meanwhile
 
 
 # --- the descriptor: one record of 8-byte words, read by the generic code by index ----------------
@@ -63,7 +64,7 @@ _FIELDS = (
     "miss on_miss tg py_body run fn_mode true false training requires_grad module expected_training oom "
     "epoch epoch_value n_args n_tensors tensor_pos tensor_argv n_consts const_pos const_types const_values "
     "grad_inputs n_params params n_inputs inputs n_outputs outputs tuple_output n_scratch scratch "
-    "scratch_total n_slots busy"
+    "scratch_total n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 PARAM_WORDS = ("obj", "type", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
@@ -113,6 +114,7 @@ class Descriptor:
         self._set_array("scratch", "n_scratch", records, len(spec.scratch))
         self.set("scratch_total", total)
         self.set("n_slots", spec.n_slots)
+        self.set("release_gil", int(spec.release_gil))
 
     def set(self, name: str, value: int) -> None:
         self.words[W[name]] = value
@@ -357,11 +359,16 @@ class _Runtime:
         busy = b.gep(d, [I64(W["busy"])], source_etype=I64)
         took = b.extract_value(b.cmpxchg(busy, I64(0), I64(1), "acquire", "monotonic"), 1)
         fresh = self._scratch(b, d, table, took, oom)
-        state = b.call(self.mb.declare("PyEval_SaveThread", PTR, []), [])
+        release_gil = b.icmp_signed("!=", f("release_gil"), I64(0))
+        state = self._alloca(b, PTR)
+        b.store(NULL, state)
+        with b.if_then(release_gil):
+            b.store(b.call(self.mb.declare("PyEval_SaveThread", PTR, []), []), state)
         run = f("run", PTR)
         with b.if_then(b.icmp_unsigned("!=", run, NULL)):
             b.call(_Callee(run, ll.FunctionType(VOID, [PTR])), [table])
-        b.call(self.mb.declare("PyEval_RestoreThread", VOID, [PTR]), [state])
+        with b.if_then(release_gil):
+            b.call(self.mb.declare("PyEval_RestoreThread", VOID, [PTR]), [b.load(state, typ=PTR)])
         with b.if_else(took) as (kept, other):
             with kept:
                 b.atomic_rmw("xchg", busy, I64(0), "release")

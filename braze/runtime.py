@@ -217,6 +217,7 @@ class Program:
             if self.native
             else (),
             n_slots=len(slot),
+            release_gil=self._flops() >= config.release_gil_flops,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -265,6 +266,11 @@ class Program:
         meta = node.meta
         rel = meta.offset - owner.meta.offset
         return Access(self.layout.slot[owner.name], TensorMeta(meta.shape, meta.stride, rel, meta.dtype))
+
+    def _flops(self) -> int:
+        """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element."""
+        gemms = [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op is Op.GEMM]
+        return 2 * sum(g["m"] * g["n"] * g["k"] for g in gemms) + self._loop_work()
 
     def _loop_work(self) -> int:
         """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""
