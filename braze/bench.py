@@ -231,7 +231,7 @@ def machine_facts() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "braze": braze.__version__,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 

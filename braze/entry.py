@@ -80,17 +80,19 @@ class Descriptor:
     """A program's descriptor, in memory that native code reads; it keeps what it points at alive."""
 
     def __init__(self, spec: EntrySpec, miss: Any, py_body: Any, run: int, scratch: dict[int, int]) -> None:
-        self._keep: list[Any] = []
-        self._objects: dict[str, Any] = {}  # what each object word points at, kept alive
+        self._keep: list[Any] = []  # arrays and objects the words point at
+        self._objects: dict[str, Any] = {}  # the object each object word points at now
         self.words = _words([0] * len(_FIELDS))
         self.address = ctypes.addressof(self.words)
-        objs = {"miss": miss, "py_body": py_body, "fn_mode": torch._C._is_torch_function_mode_enabled}
-        objs |= {"true": True, "false": False, "training": "training", "requires_grad": "requires_grad"}
-        objs |= {"oom": torch.OutOfMemoryError, "module": spec.module}
+        self._guard(spec, miss)
+        self._body(spec, py_body, run, scratch)
+
+    def _guard(self, spec: EntrySpec, miss: Any) -> None:
+        objs = {"miss": miss, "fn_mode": torch._C._is_torch_function_mode_enabled, "true": True, "false": False}
+        objs |= {"training": "training", "requires_grad": "requires_grad", "module": spec.module}
         objs["expected_training"] = spec.module.training if spec.module is not None else None
         for name, obj in objs.items():
             self.set_object(name, obj)
-        self.set("run", run)
         self.set("epoch", ctypes.addressof(spec.epoch))
         self.set("epoch_value", spec.epoch_value)
         self.set("n_args", spec.n_args)
@@ -102,6 +104,11 @@ class Descriptor:
         self.set("grad_inputs", int(spec.grad_inputs))
         params = [w for p, slot in zip(spec.params, spec.param_slots) for w in self._param(p, slot)]
         self._set_array("params", "n_params", params, len(spec.params))
+
+    def _body(self, spec: EntrySpec, py_body: Any, run: int, scratch: dict[int, int]) -> None:
+        self.set_object("py_body", py_body)
+        self.set_object("oom", torch.OutOfMemoryError)
+        self.set("run", run)
         self._set_array("inputs", "n_inputs", [w for pair in spec.inputs for w in pair], len(spec.inputs))
         outputs = [w for slot, meta in spec.outputs for w in self._output(slot, meta)]
         self._set_array("outputs", "n_outputs", outputs, len(spec.outputs))
@@ -137,8 +144,8 @@ class Descriptor:
         self.set(name, self._array(values))
         self.set(count, len(values) if n is None else n)
 
-    def _shape(self, meta_shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
-        return self._array(list(meta_shape)), self._array(list(stride))
+    def _shape(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
+        return self._array(list(shape)), self._array(list(stride))
 
     def _param(self, p: torch.Tensor, slot: int) -> list[int]:
         sizes, strides = self._shape(tuple(p.shape), p.stride())

@@ -155,9 +155,8 @@ def plan_memory(graph: Graph) -> Graph:
     held: dict[str, int] = {}
     out_nodes = []
     for i, n in enumerate(graph.nodes):
-        store: object
         if n.op in (Op.INPUT, Op.PARAM):
-            store = n.op.value
+            store: object = n.op.value
         elif owner[n.name] != n.name:
             store = "alias"
         elif n.op is Op.EXTERN:
@@ -165,7 +164,8 @@ def plan_memory(graph: Graph) -> Graph:
         elif n.name in returned:
             store = "out"
         else:
-            store = ("tmp", _take(n, i, graph, owner, last_use, held, free, sizes))
+            dying = [v for v in _overwritable(n, i, by_name, owner, last_use) if v in held]
+            store = ("tmp", _take(n, dying, held, free, sizes))
             held[n.name] = store[1]
         out_nodes.append(dataclasses.replace(n, attrs={**n.attrs, "store": store}))
         for v in {owner[x] for x in n.value_inputs()}:
@@ -174,19 +174,32 @@ def plan_memory(graph: Graph) -> Graph:
     return dataclasses.replace(graph, nodes=tuple(out_nodes))
 
 
+def _overwritable(n: Node, i: int, by_name: dict, owner: dict, last_use: dict) -> list[str]:
+    """Inputs an elementwise loop may write over: values owning their memory, dying here, laid
+    out as the loop's output, and read by the loop through no other view (a transposed view of
+    the buffer being overwritten would read elements already written)."""
+    if n.op is not Op.FUSED:
+        return []
+    out = []
+    for v in dict.fromkeys(n.value_inputs()):
+        same = owner[v] == v and last_use.get(v) == i and by_name[v].meta == n.meta
+        if same and all(owner[u] != v or u == v for u in n.value_inputs()):
+            out.append(v)
+    return out
+
+
 def _nbytes(meta: TensorMeta) -> int:
     return max(meta.span, 1) * meta.dtype.itemsize
 
 
-def _take(n: Node, i: int, graph: Graph, owner: dict, last_use: dict, held: dict, free: list, sizes: list) -> int:
+def _take(n: Node, dying: list[str], held: dict, free: list, sizes: list) -> int:
+    """A scratch buffer for `n`: a dying input's (in place), else the smallest free one that fits,
+    else a new one."""
     need = _nbytes(n.meta)
-    if n.op is Op.FUSED:  # in place over a dying input with the same layout
-        metas = {m.name: m.meta for m in graph.nodes}
-        for v in n.value_inputs():
-            if owner[v] == v and v in held and last_use.get(v) == i and metas[v] == n.meta:
-                buf = held.pop(v)
-                sizes[buf] = max(sizes[buf], need)
-                return buf
+    if dying:
+        buf = held.pop(dying[0])
+        sizes[buf] = max(sizes[buf], need)
+        return buf
     fits = sorted((b, k) for b, k in free if b >= need)
     if fits:
         free.remove(fits[0])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import re
 import threading
 import time
 from collections import Counter
@@ -298,10 +299,10 @@ def _native_outputs(lowered: Lowered, fresh: dict[str, str]) -> bool:
     return flat and all(isinstance(v, str) and v in fresh for v in lowered.out_leaves)
 
 
-def _native_reads(prog: Program) -> set[str]:
-    """The owners of every value native code reads or writes."""
+def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[str]:
+    """The owners of every value native code (of `segments`, default all) reads or writes."""
     names = set()
-    for seg in prog.segments:
+    for seg in prog.segments if segments is None else segments:
         for k in seg.kernels:
             names |= {k.name, *k.value_inputs()} | {i for b in k.body for i in b.value_inputs()}
     return {prog.layout.owner[n] for n in names if n in prog.layout.owner}
@@ -320,6 +321,21 @@ class Guard:
     module: torch.nn.Module | None  # whose `training` flag must stay as it was
     epoch: Any  # the global module-change counter (a ctypes int64 cell, api.epoch)
     epoch_value: int  # and its value now
+
+
+def _free_dead(lines: list[str]) -> list[str]:
+    """`del` each local tensor after the line that last names it (a native segment's line names
+    the tensors it works on), as eager drops an intermediate once used: ATen's later
+    allocations then reuse its memory instead of faulting in new pages."""
+    defined = [m.group(1) for m in (re.match(r"    ([a-z]\d+) = ", ln) for ln in lines) if m]
+    last = {v: max(i for i, ln in enumerate(lines) if re.search(rf"\b{v}\b", ln)) for v in defined}
+    out = []
+    for i, ln in enumerate(lines):
+        out.append(ln)
+        dead = [v for v in defined if last[v] == i and not ln.lstrip().startswith("return")]
+        if dead:
+            out.append(f"    del {', '.join(dead)}")
+    return out
 
 
 class _RunnerWriter:
@@ -371,21 +387,30 @@ class _RunnerWriter:
                 self._own(n.name, f"a{n.attrs['index']}", n.meta)
         for i, name in enumerate(prog.param_names):
             self._own(name, f"_p{i}", self.prog.nodes[name].meta)
-        for name, m in prog.alloc.items():
-            self.lines.append(f"    {name} = _empty({m.shape}, {m.stride}, dtype={self.const(m.dtype)})")
-            self._own(name, name, m)
-        for name in [*prog.alloc, *prog.param_names, *(n.name for n in g.nodes if n.op is Op.INPUT)]:
+        for name in [*prog.param_names, *(n.name for n in g.nodes if n.op is Op.INPUT)]:
             if name in self.reads:
                 self.lines.append(f"    t[{slot[name]}] = {self.base[name][0]}.data_ptr()")
         seg_of = {s.kernels[-1].name: i for i, s in enumerate(prog.segments)}
         for n in g.nodes:
             if n.name in seg_of:
-                self.lines.append(f"    _seg{seg_of[n.name]}(ws.addr)")
+                self._segment(seg_of[n.name])
             elif n.op is Op.EXTERN:
                 self._extern(n)
         self.lines.append(f"    return {self._outputs()}")
         args = ", ".join(f"a{i}" for i in range(self.lowered.n_args))
-        return "\n".join([f"def body({args}):", *self.lines]) + "\n"
+        return "\n".join([f"def body({args}):", *_free_dead(self.lines)]) + "\n"
+
+    def _segment(self, i: int) -> None:
+        """Allocate the outputs segment i writes (as late as this, so ATen's allocations before
+        it find the memory eager's would), then run it."""
+        for k in self.prog.segments[i].kernels:
+            if k.name in self.prog.alloc:
+                m = self.prog.alloc[k.name]
+                self.lines.append(f"    {k.name} = _empty({m.shape}, {m.stride}, dtype={self.const(m.dtype)})")
+                self.lines.append(f"    t[{self.prog.layout.slot[k.name]}] = {k.name}.data_ptr()")
+                self._own(k.name, k.name, m)
+        memory = sorted(v for v in _native_reads(self.prog, [self.prog.segments[i]]) if self.base.get(v, ("",))[0] == v)
+        self.lines.append(f"    _seg{i}(ws.addr)" + (f"  # on {', '.join(memory)}" if memory else ""))
 
     def _py(self, x: Any) -> str:
         if isinstance(x, Sym):

@@ -108,6 +108,12 @@ def test_views_are_free():
         check_model(fn, (special(8, 33),))
 
 
+def test_loops_reading_a_buffer_through_two_views():
+    x = special(33, 33)
+    check_model(lambda a: (lambda t: (t + t.t()).sum(0))(a * 2), (x,))  # t + t.t() is scratch
+    check_model(lambda a: (lambda t: (t.t() * t).relu().amax(1))(a + 1), (x,))
+
+
 def test_returning_inputs_and_views_of_inputs():
     x = special(4, 6)
     check_model(lambda a: (a, a.t(), a[1:], a + 1), (x,))

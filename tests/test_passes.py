@@ -73,3 +73,13 @@ def test_plan_marks_views_and_outputs():
     graph = plan_memory(lowered(lambda x: (x + 1).t(), torch.randn(3, 4)).graph)
     by = {n.op: n.attrs["store"] for n in graph.nodes}
     assert by[Op.VIEW] == "alias" and by[Op.ADD] == "out" and by[Op.INPUT] == "input"
+
+
+def test_a_loop_never_writes_over_a_buffer_it_reads_through_another_view():
+    def f(a):
+        x = a * 2
+        return (x + x.t()).sum(0)  # x + x.t() is scratch: writing it over x would corrupt x.t()
+
+    graph, _ = run_passes(lowered(f, torch.randn(33, 33)).graph)
+    stores = [n.attrs["store"] for n in graph.nodes if n.op is Op.FUSED]
+    assert len(set(stores)) == 2, stores
