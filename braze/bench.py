@@ -75,7 +75,12 @@ def _bert_tiny() -> tuple[torch.nn.Module, tuple]:
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=1000
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=512,
+        vocab_size=1000,
+        use_cache=False,  # the output is the hidden states alone, which every peer can return
     )
     return BertModel(cfg), (torch.randint(0, 1000, (4, 64)),)
 
@@ -85,7 +90,8 @@ def _gpt2_tiny() -> tuple[torch.nn.Module, tuple]:
 
     # GPT-2's default special-token id (50256) lies outside a 1000-word vocabulary; the model never
     # reads it, but transformers warns. Any id inside the vocabulary changes nothing else.
-    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    # use_cache=False: no key/value cache among the outputs (TorchScript cannot return one).
+    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0, use_cache=False)
     return GPT2Model(cfg), (torch.randint(0, 1000, (2, 128)),)
 
 
@@ -138,7 +144,10 @@ def _onnxruntime(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
     path = os.path.join(tempfile.mkdtemp(prefix="braze-onnx-"), "model.onnx")
     names = [f"input{i}" for i in range(len(inputs))]
     with torch.no_grad():
-        torch.onnx.export(model, inputs, path, input_names=names, dynamo=False)
+        try:
+            torch.onnx.export(model, inputs, path, input_names=names, dynamo=False)
+        except Exception:  # e.g. fused ATen ops, Hugging Face models: the TorchDynamo exporter
+            torch.onnx.export(model, inputs, path, input_names=names, dynamo=True)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = torch.get_num_threads()
     sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
