@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import capture, config, debug
+from . import capture, config, debug, entry
 from .lowering import Unsupported, lower
 from .passes import run_passes
 from .runtime import Guard, Program
@@ -47,8 +47,10 @@ for _hook in (
     _hook(_bump)
 
 
-if config.gc_freeze:
-    gc.freeze()
+# The native entry every program is called through takes ~20 ms to build: do it at import, not
+# in the first call. Should it fail, the first compile tries again and reports why.
+with contextlib.suppress(Exception):
+    entry.ensure_runtime()
 
 
 class BrazeWarning(UserWarning):
