@@ -11,7 +11,7 @@ Every program has two CPython-callable native functions:
   by calling the program's generated Python body, which makes the ATen calls.
 
 Both are the same two functions for every program, `braze_entry` and `braze_body`, built once per
-process; a program passes them its Descriptor: what to check and what to run, as data. A
+process (when braze is imported); a program passes them its Descriptor: what to check and what to run, as data. A
 program's own module holds only its kernels and two trampolines that pass its descriptor.
 
 Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch); a Python

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import resource
 import sys
-import threading
 
 import pytest
 import torch
@@ -26,6 +25,12 @@ def mlp() -> nn.Module:
 def program(compiled: braze.CompiledModule) -> braze.runtime.Program:
     (prog,) = compiled.programs()
     return prog
+
+
+def compiled_for(model: nn.Module, x: torch.Tensor) -> tuple[braze.CompiledModule, braze.runtime.Program]:
+    compiled = braze.compile(model)
+    check_model(model, (x,), compiled=compiled)
+    return compiled, program(compiled)
 
 
 def test_a_matching_call_goes_straight_to_the_native_entry():
@@ -65,11 +70,8 @@ def test_a_linear_on_a_3d_input_is_native():
 
 
 def test_the_guard_refuses_what_the_program_was_not_compiled_for():
-    model = mlp()
-    compiled = braze.compile(model)
-    x = torch.randn(8, 16)
-    check_model(model, (x,), compiled=compiled)
-    prog = program(compiled)
+    model, x = mlp(), torch.randn(8, 16)
+    compiled, prog = compiled_for(model, x)
     prog.bind(lambda *a, **k: MISS)  # see the refusals instead of the slow path
     with torch.no_grad():
         assert prog.entry(x) is not MISS
@@ -179,11 +181,8 @@ def test_outputs_and_their_handles_are_freed():
 
 
 def test_a_second_thread_inside_the_program_gets_buffers_of_its_own():
-    model = mlp()
-    compiled = braze.compile(model)
-    x = torch.randn(64, 16)
-    check_model(model, (x,), compiled=compiled)
-    prog = program(compiled)
+    model, x = mlp(), torch.randn(64, 16)
+    compiled, prog = compiled_for(model, x)
     assert prog.layout.scratch_bytes, "the test needs a program with scratch buffers"
     words = prog._descriptor.words
     words[W["busy"]] = 1  # as if another thread were running it now
@@ -191,28 +190,6 @@ def test_a_second_thread_inside_the_program_gets_buffers_of_its_own():
         check_model(model, (x,), compiled=compiled)
     finally:
         words[W["busy"]] = 0
-
-
-def test_threads_running_native_bodies_at_once():
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).eval()  # GEMMs long enough to overlap
-    compiled = braze.compile(model)
-    inputs = [torch.randn(128, 256) for _ in range(4)]
-    with torch.no_grad():
-        expected = [model(x) for x in inputs]
-    errors: list[int] = []
-
-    def work(i: int) -> None:
-        with torch.no_grad():
-            for _ in range(50):
-                if not torch.equal(compiled(inputs[i]), expected[i]):
-                    errors.append(i)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and program(compiled).native
 
 
 def test_bad_outputs_of_a_binding_are_not_native_concerns():

@@ -247,10 +247,17 @@ def test_train_and_eval_switch():
     assert torch.equal(actual, expected)  # dropout runs through ATen on the same random stream
 
 
-def test_threads_share_one_wrapper():
-    model = lesson()
+@pytest.mark.parametrize(
+    "model,rows",
+    [
+        (lesson(), 32),  # small: the program keeps the GIL
+        (nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256)).eval(), 128),  # releases it
+    ],
+    ids=["gil-held", "gil-released"],
+)
+def test_threads_share_one_wrapper(model, rows):
     compiled = braze.compile(model)
-    inputs = [torch.randn(32, 64) for _ in range(8)]
+    inputs = [torch.randn(rows, 64) for _ in range(8)]
     with torch.no_grad():
         expected = [model(x) for x in inputs]
     errors: list[str] = []
@@ -268,6 +275,7 @@ def test_threads_share_one_wrapper():
     for t in threads:
         t.join()
     assert not errors
+    assert compiled.programs()[0].native
 
 
 class Branchy(nn.Module):
