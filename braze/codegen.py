@@ -242,7 +242,7 @@ def _nest(
     def level(depth: int) -> None:
         start, stop = (lo, hi) if depth == 0 else (I64(0), I64(dims[depth].size))
         if depth + 1 < len(dims):
-            with _for(b, start, stop) as i:
+            with counted_loop(b, start, stop) as i:
                 idx.append(i)
                 level(depth + 1)
                 idx.pop()
@@ -254,7 +254,7 @@ def _nest(
             start = _strided(b, start, stop, UNROLL * width, lambda i: inner(b, idx + [i], width, unrolled))
         if width > 1:
             start = _strided(b, start, stop, width, lambda i: inner(b, idx + [i], width))
-        with _for(b, start, stop) as i:
+        with counted_loop(b, start, stop) as i:
             inner(b, idx + [i], 1)
 
     level(0)
@@ -267,13 +267,13 @@ def _strided(b: ll.IRBuilder, start: ll.Value, stop: ll.Value, step: int, emit: 
         end: ll.Value = I64(start.constant + (stop.constant - start.constant) // step * step)
     else:
         end = b.add(start, b.and_(b.sub(stop, start), I64(-step)))  # stop >= start: round down
-    with _for(b, start, end, step) as i:
+    with counted_loop(b, start, end, step) as i:
         emit(i)
     return end
 
 
-class _for:
-    """`with _for(b, lo, hi, step) as i:` emits a counted loop (lo < hi is checked first)."""
+class counted_loop:  # lower case: it reads as a statement, `with counted_loop(...) as i:`
+    """`with counted_loop(b, lo, hi, step) as i:` emits a counted loop (lo < hi is checked first)."""
 
     def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int = 1) -> None:
         self.b, self.lo, self.hi, self.step = b, lo, hi, step

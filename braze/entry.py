@@ -29,7 +29,7 @@ from typing import Any
 import llvmlite.ir as ll
 import torch
 
-from .codegen import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, _for
+from .codegen import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, counted_loop
 from .ir import TensorMeta
 from .jit import TENSOR_OFFSET, WRAP, compile_module, define_symbols, shim_constant
 
@@ -257,7 +257,7 @@ class _Runtime:
         require(b.icmp_signed("==", b.load(f("epoch", PTR), typ=I64), f("epoch_value")))
         self._check_consts(b, d, args, require)
         self._check_tensors(b, d, args, require)
-        with _for(b, I64(0), f("n_params")) as i:
+        with counted_loop(b, I64(0), f("n_params")) as i:
             self._check_param(b, d, i, require)
         with b.if_then(b.icmp_unsigned("!=", f("module", PTR), NULL)):
             training = self._getattr(b, f("module", PTR), f("training", PTR))
@@ -280,7 +280,7 @@ class _Runtime:
     def _check_consts(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, require: Callable) -> None:
         """type(arg) is type(value) and arg == value, for each specialised Python argument."""
         cmp = self.mb.declare("PyObject_RichCompareBool", I32, [PTR, PTR, I32])
-        with _for(b, I64(0), self.field(b, d, "n_consts")) as i:
+        with counted_loop(b, I64(0), self.field(b, d, "n_consts")) as i:
             arg = b.load(self.item(b, args, self.word(b, self.field(b, d, "const_pos", PTR), i)), typ=PTR)
             ob_type = b.load(b.gep(arg, [I64(8)], source_etype=I8), typ=PTR)
             require(b.icmp_unsigned("==", ob_type, self.word(b, self.field(b, d, "const_types", PTR), i, PTR)))
@@ -292,7 +292,7 @@ class _Runtime:
         n = self.field(b, d, "n_tensors")
         with b.if_then(b.icmp_signed(">", n, I64(0))):
             argv = self.field(b, d, "tensor_argv", PTR)
-            with _for(b, I64(0), n) as i:
+            with counted_loop(b, I64(0), n) as i:
                 pos = self.word(b, self.field(b, d, "tensor_pos", PTR), i)
                 b.store(b.load(self.item(b, args, pos), typ=PTR), self.item(b, argv, i))
             r = b.call(self.vectorcall, [self.field(b, d, "tg", PTR), argv, n, NULL])
@@ -322,7 +322,7 @@ class _Runtime:
             for getter in ("sizes", "strides"):
                 b.call(self.mb.declare(f"aoti_torch_get_{getter}", I32, [PTR, PTR]), [h, out])
                 have, want = b.load(out, typ=PTR), p(getter, PTR)
-                with _for(b, I64(0), ndim) as k:
+                with counted_loop(b, I64(0), ndim) as k:
                     require(b.icmp_signed("==", self.word(b, have, k), self.word(b, want, k)))
             b.call(self.data_ptr, [h, out])
             empty = b.icmp_signed("==", p("nonempty"), I64(0))
@@ -333,7 +333,7 @@ class _Runtime:
         enabled = b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])
         with b.if_then(enabled):
             require(b.icmp_signed("==", self.field(b, d, "grad_inputs"), I64(0)))
-            with _for(b, I64(0), self.field(b, d, "n_params")) as i:
+            with counted_loop(b, I64(0), self.field(b, d, "n_params")) as i:
                 obj = self.record(b, d, "params", i, PARAM_WORDS)("obj", PTR)
                 flag = self._getattr(b, obj, self.field(b, d, "requires_grad", PTR))
                 require(b.icmp_unsigned("==", flag, self.field(b, d, "false", PTR)))
@@ -351,15 +351,15 @@ class _Runtime:
         n_out = f("n_outputs")
         handles = b.alloca(PTR, size=n_out)
         oom = fn.append_basic_block("oom")
-        with _for(b, I64(0), n_out) as k:
+        with counted_loop(b, I64(0), n_out) as k:
             b.store(NULL, self.item(b, handles, k))
-        with _for(b, I64(0), n_out) as k:
+        with counted_loop(b, I64(0), n_out) as k:
             self._allocate(b, d, k, self.item(b, handles, k), table, oom)
-        with _for(b, I64(0), f("n_inputs")) as k:
+        with counted_loop(b, I64(0), f("n_inputs")) as k:
             rec = self.record(b, d, "inputs", k, ("pos", "slot"))
             arg = b.load(self.item(b, args, rec("pos")), typ=PTR)
             self._pointer_into(b, arg, table, rec("slot"))
-        with _for(b, I64(0), f("n_params")) as k:
+        with counted_loop(b, I64(0), f("n_params")) as k:
             p = self.record(b, d, "params", k, PARAM_WORDS)
             with b.if_then(b.icmp_signed(">=", p("slot"), I64(0))):
                 self._pointer_into(b, p("obj", PTR), table, p("slot"))
@@ -383,7 +383,7 @@ class _Runtime:
                 b.call(self.mb.declare("free", VOID, [PTR]), [fresh])
         self._results(b, d, handles)
         b.position_at_end(oom)
-        with _for(b, I64(0), n_out) as k:  # NULL handles are deleted as no-ops
+        with counted_loop(b, I64(0), n_out) as k:  # NULL handles are deleted as no-ops
             b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
         text = self.mb.cstring("braze_oom", "braze: out of memory for a compiled program's buffers")
         b.call(self.mb.declare("PyErr_SetString", VOID, [PTR, PTR]), [f("oom", PTR), text])
@@ -416,7 +416,7 @@ class _Runtime:
             b.cbranch(b.icmp_unsigned("!=", mem, NULL), ok, oom)
             b.position_at_end(ok)
             b.store(mem, fresh)
-        with _for(b, I64(0), self.field(b, d, "n_scratch")) as k:
+        with counted_loop(b, I64(0), self.field(b, d, "n_scratch")) as k:
             s = self.record(b, d, "scratch", k, SCRATCH_WORDS)
             into = b.gep(b.load(fresh, typ=PTR), [s("offset")], source_etype=I8)
             b.store(b.select(took, s("kept", PTR), into), self.item(b, table, s("slot")))
@@ -436,7 +436,7 @@ class _Runtime:
         with b.if_then(b.icmp_signed("==", self.field(b, d, "tuple_output"), I64(0))):
             b.ret(wrapped(0))
         tup = b.call(self.mb.declare("PyTuple_New", PTR, [I64]), [n])
-        with _for(b, I64(0), n) as k:
+        with counted_loop(b, I64(0), n) as k:
             b.call(self.mb.declare("PyTuple_SetItem", I32, [PTR, I64, PTR]), [tup, k, wrapped(k)])
         b.ret(tup)
 
