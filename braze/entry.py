@@ -185,7 +185,7 @@ _runtime: dict[str, int] = {}
 def ensure_runtime() -> bool:
     """Build braze_entry and braze_body, once per process, and make them callable from every
     program's module; True if this call built them. Without LLVM's optimiser: their time goes
-    into calls of the C API, and -O2 would add ~50 ms to the first compile of every process."""
+    into calls of the C API, and -O2 would add ~50 ms to every process that imports braze."""
     with _lock:
         if _runtime:
             return False
@@ -208,6 +208,9 @@ class _Callee:
 
 
 class _Runtime:
+    """Emits braze_entry and braze_body, which read everything program-specific from the
+    descriptor they are given."""
+
     def __init__(self, mb: ModuleBuilder) -> None:
         self.mb = mb
         d = mb.declare

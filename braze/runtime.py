@@ -93,8 +93,9 @@ def _segments(graph: Graph) -> list[Segment]:
 def _allocations(graph: Graph, lowered: Lowered, layout: Layout) -> tuple[dict[str, TensorMeta], dict[str, str]]:
     """The layout each returned buffer is allocated with, and which output leaves are such buffers.
 
-    A buffer returned only as one leaf that views all of it is allocated with the leaf's layout,
-    so a linear on a 3-D input returns a plain tensor, as in eager, rather than a view.
+    A buffer returned only as one leaf that views all of it is allocated with the leaf's layout:
+    a linear on a 3-D input returns one 3-D tensor (as eager does under inference_mode), which a
+    native body can allocate, rather than a view of a 2-D buffer.
     """
     nodes = graph.node_map()
     metas = {n.name: n.meta for n in graph.nodes if n.attrs["store"] == "out"}
