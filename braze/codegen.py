@@ -318,6 +318,10 @@ class _BodyEmitter:
             lin = b.add(lin, t)
         return b.gep(base, [lin], source_etype=self._etype(name))
 
+    def _inner_stride(self, name: str) -> int:
+        """How far an access moves per step of the innermost loop (0: broadcast)."""
+        return self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
+
     def _etype(self, name: str) -> ll.Type:
         return F32 if name == "__out__" or _dtype_of(self.operands, name) else I8
 
@@ -330,7 +334,7 @@ class _BodyEmitter:
         def at(name: str, offset: int) -> ll.Value:
             if name not in bases:
                 bases[name] = self.pointer(b, name, idx)
-            inner = self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
+            inner = self._inner_stride(name)
             if not offset or not inner:
                 return bases[name]
             return b.gep(bases[name], [I64(offset * inner)], source_etype=self._etype(name))
@@ -341,8 +345,7 @@ class _BodyEmitter:
         def load(name: str, offset: int) -> ll.Value:
             ety = self._etype(name)
             ptr = at(name, offset)
-            inner_stride = self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
-            if width == 1 or inner_stride == 1:
+            if width == 1 or self._inner_stride(name) == 1:
                 return b.load(ptr, typ=ty(ety), align=4 if ety is F32 else 1)
             scalar = b.load(ptr, typ=ety)  # broadcast along the vector: splat one element
             vec = b.insert_element(ll.Constant(ty(ety), None), scalar, I32(0))

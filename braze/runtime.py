@@ -156,6 +156,7 @@ class Program:
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
         self.native = not self.externs and _native_outputs(lowered, fresh)
+        self.reads = _native_reads(self)  # owners of the memory native code works on
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self._local = threading.local()
         spec = self._spec(lowered, guard, fresh)
@@ -197,8 +198,7 @@ class Program:
 
     # --- building ----------------------------------------------------------------------------
     def _spec(self, lowered: Lowered, guard: Guard, fresh: dict[str, str]) -> entry.EntrySpec:
-        slot = self.layout.slot
-        reads = _native_reads(self)
+        slot, reads = self.layout.slot, self.reads
         nodes = [n for n in self.graph.nodes if n.op is Op.INPUT]
         tensors = tuple(i for i, a in enumerate(guard.args) if isinstance(a, torch.Tensor))
         outs = [fresh[v] for v in lowered.out_leaves] if self.native else []
@@ -345,7 +345,7 @@ class _RunnerWriter:
     def __init__(self, prog: Program, lowered: Lowered) -> None:
         self.prog = prog
         self.lowered = lowered
-        self.reads = _native_reads(prog)
+        self.reads = prog.reads
         self.lines: list[str] = []
         self.consts: dict[str, Any] = {}
         self.expr: dict[str, str] = {}
