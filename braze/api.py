@@ -58,6 +58,14 @@ class BrazeWarning(UserWarning):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_keys = torch._C._dispatch_keys
+# A dense CPU tensor's dispatch keys, and those the thread includes when nothing is active.
+_PLAIN_KEYS = _keys(torch.empty(0)).raw_repr()
+_DEFAULT_INCLUDED = torch._C._dispatch_tls_local_include_set().raw_repr()
+
+
+def _within(keys: Any, allowed: int) -> bool:
+    return keys.raw_repr() | allowed == allowed
 
 
 @contextlib.contextmanager
@@ -74,8 +82,10 @@ def _no_gc() -> Iterator[None]:
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
-    plain = type(t) in _PLAIN and t.device.type == "cpu" and t.layout == torch.strided
-    return plain and not t.is_neg() and not t.is_conj()  # lazy negation: the bytes are not the values
+    """A dense CPU tensor whose bytes are its values: no lazy negation or conjugation, no
+    functorch wrapper (vmap, grad, functionalize), not sparse, nested or on another device."""
+    keys = _keys(t)
+    return type(t) in _PLAIN and keys.has(torch._C.DispatchKey.CPU) and _within(keys, _PLAIN_KEYS)
 
 
 def _unusual_state() -> str:
@@ -84,6 +94,8 @@ def _unusual_state() -> str:
         return "CPU autocast"
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return "a Python dispatch or torch-function mode"
+    if not _within(torch._C._dispatch_tls_local_include_set(), _DEFAULT_INCLUDED):
+        return "a functorch transform (vmap, grad, functionalize) or another dispatch override"
     return ""
 
 
@@ -183,6 +195,8 @@ class CompiledModule:
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):
             return self._eager("an argument that is not a plain, strided CPU tensor", args, {})
+        if not all(_plain_cpu(p) for p in self._params):
+            return self._eager("a parameter that is not a plain, strided CPU tensor", args, {})
         if self._epoch != epoch[0]:
             self._reset()
         prog = self._cache.get(key)

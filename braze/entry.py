@@ -14,8 +14,13 @@ Both are the same two functions for every program, `braze_entry` and `braze_body
 process (when braze is imported); a program passes them its Descriptor: what to check and what to run, as data. A
 program's own module holds only its kernels and two trampolines that pass its descriptor.
 
-Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch); a Python
-tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
+The guard checks, for every tensor argument and every parameter native code reads: its type, its
+dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
+dtype, sizes and strides; and the thread's dispatch state (two words: dispatch modes, functorch
+transforms, autocast, inference mode), so that native code runs only where eager would run
+the plain CPU kernels. Tensors are read through ATen's C shim (the `aoti_torch_*` functions of
+libtorch) where it has a getter; a Python tensor object holds its at::Tensor at
+jit.TENSOR_OFFSET.
 """
 
 from __future__ import annotations
@@ -31,10 +36,33 @@ import torch
 
 from .codegen import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, counted_loop
 from .ir import TensorMeta
-from .jit import TENSOR_OFFSET, WRAP, compile_module, define_symbols, shim_constant
+from .jit import (
+    FN_MODE,
+    KEYSET_OFFSET,
+    REQUIRES_GRAD,
+    TENSOR_OFFSET,
+    TLS_GUARD,
+    TLS_GUARD_END,
+    WRAP,
+    compile_module,
+    define_symbols,
+    dispatch_keys,
+    shim_constant,
+    tls_dispatch_words,
+)
 
 NULL = ll.Constant(PTR, None)
 PY_EQ = 2
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One tensor the entry checks: an argument (`pos`) or a parameter (`param`)."""
+
+    example: torch.Tensor  # the tensor as compiled (for a parameter, the parameter itself)
+    pos: int  # argument position, or -1 for a parameter
+    slot: int  # where native code reads its data pointer, or -1
+    layout: bool  # check type, dispatch keys, dtype, sizes and strides (else only requires_grad)
 
 
 @dataclass(frozen=True)
@@ -42,15 +70,11 @@ class EntrySpec:
     """What the entry checks and what a native body reads and writes (slots of its table)."""
 
     n_args: int
-    tensor_args: tuple[int, ...]  # positions TensorGuards checks
+    tensors: tuple[TensorCheck, ...]  # the tensor arguments, then the parameters
     const_args: tuple[tuple[int, Any], ...]  # (position, value) of specialised Python values
-    grad_inputs: bool  # an input required grad at compile time (TensorGuards keeps it so)
-    params: tuple[torch.Tensor, ...]  # every parameter: none may require grad in grad mode
-    param_slots: tuple[int, ...]  # per parameter, its slot if native code reads it, else -1
     module: torch.nn.Module | None  # whose `training` flag must stay as compiled
     epoch: Any  # ctypes int64 cell bumped when any module changes structure
     epoch_value: int
-    inputs: tuple[tuple[int, int], ...]  # (argument position, slot) read natively
     outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout) allocated per call and returned
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes) of buffers kept across calls
@@ -61,13 +85,12 @@ class EntrySpec:
 # --- the descriptor: one record of 8-byte words, read by the generic code by index ----------------
 
 _FIELDS = (
-    "miss on_miss tg py_body run fn_mode true false training requires_grad module expected_training oom "
-    "epoch epoch_value n_args n_tensors tensor_pos tensor_argv n_consts const_pos const_types const_values "
-    "grad_inputs n_params params n_inputs inputs n_outputs outputs tuple_output n_scratch scratch "
-    "scratch_total n_slots release_gil busy"
+    "miss on_miss py_body run training module expected_training oom epoch epoch_value n_args "
+    "n_consts const_pos const_types const_values tls_included tls_excluded n_tensors tensors "
+    "n_outputs outputs tuple_output n_scratch scratch scratch_total n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
-PARAM_WORDS = ("obj", "type", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
+TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "offset", "kept")
 
@@ -88,28 +111,36 @@ class Descriptor:
         self._body(spec, py_body, run, scratch)
 
     def _guard(self, spec: EntrySpec, miss: Any) -> None:
-        objs = {"miss": miss, "fn_mode": torch._C._is_torch_function_mode_enabled, "true": True, "false": False}
-        objs |= {"training": "training", "requires_grad": "requires_grad", "module": spec.module}
+        objs = {"miss": miss, "training": "training", "module": spec.module}
         objs["expected_training"] = spec.module.training if spec.module is not None else None
         for name, obj in objs.items():
             self.set_object(name, obj)
         self.set("epoch", ctypes.addressof(spec.epoch))
         self.set("epoch_value", spec.epoch_value)
         self.set("n_args", spec.n_args)
-        self._set_array("tensor_pos", "n_tensors", list(spec.tensor_args))
-        self.set("tensor_argv", self._array([0] * len(spec.tensor_args)))
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
-        self.set("grad_inputs", int(spec.grad_inputs))
-        params = [w for p, slot in zip(spec.params, spec.param_slots) for w in self._param(p, slot)]
-        self._set_array("params", "n_params", params, len(spec.params))
+        records = [w for t in spec.tensors for w in self._tensor(t)]
+        self.tensors = _words(records)  # rearm rewrites the dispatch keys of arguments
+        self._keep.append(self.tensors)
+        self.set("tensors", ctypes.addressof(self.tensors))
+        self.set("n_tensors", len(spec.tensors))
+        self.set_dispatch_state([t.example for t in spec.tensors])
+
+    def set_dispatch_state(self, tensors: list[torch.Tensor]) -> None:
+        """Expect this thread's dispatch state, and the dispatch keys `tensors` (one per record:
+        the tensor arguments, then the parameters) have, as they are now."""
+        included, excluded = tls_dispatch_words()
+        self.set("tls_included", included)
+        self.set("tls_excluded", excluded)
+        for i, t in enumerate(tensors):
+            self.tensors[i * len(TENSOR_WORDS) + TENSOR_WORDS.index("keys")] = dispatch_keys(t)
 
     def _body(self, spec: EntrySpec, py_body: Any, run: int, scratch: dict[int, int]) -> None:
         self.set_object("py_body", py_body)
         self.set_object("oom", torch.OutOfMemoryError)
         self.set("run", run)
-        self._set_array("inputs", "n_inputs", [w for pair in spec.inputs for w in pair], len(spec.inputs))
         outputs = [w for slot, meta in spec.outputs for w in self._output(slot, meta)]
         self._set_array("outputs", "n_outputs", outputs, len(spec.outputs))
         self.set("tuple_output", int(spec.tuple_output))
@@ -147,9 +178,12 @@ class Descriptor:
     def _shape(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
         return self._array(list(shape)), self._array(list(stride))
 
-    def _param(self, p: torch.Tensor, slot: int) -> list[int]:
-        sizes, strides = self._shape(tuple(p.shape), p.stride())
-        return [self._ref(p), self._ref(type(p)), _dtype(p.dtype), p.dim(), sizes, strides, slot, int(p.numel() > 0)]
+    def _tensor(self, t: TensorCheck) -> list[int]:
+        x = t.example
+        sizes, strides = self._shape(tuple(x.shape), x.stride())
+        obj = self._ref(x) if t.pos < 0 else 0
+        layout = [self._ref(type(x)), 0, _dtype(x.dtype), x.dim(), sizes, strides]  # keys: set_dispatch_state
+        return [t.pos, obj, int(t.layout), *layout, t.slot, int(x.numel() > 0)]
 
     def _output(self, slot: int, meta: TensorMeta) -> list[int]:
         sizes, strides = self._shape(meta.shape, meta.stride)
@@ -259,26 +293,19 @@ class _Runtime:
         require(b.and_(b.icmp_unsigned("==", kwnames, NULL), b.icmp_signed("==", nargs, f("n_args"))))
         require(b.icmp_signed("==", b.load(f("epoch", PTR), typ=I64), f("epoch_value")))
         self._check_consts(b, d, args, require)
-        self._check_tensors(b, d, args, require)
-        with counted_loop(b, I64(0), f("n_params")) as i:
-            self._check_param(b, d, i, require)
+        self._check_dispatch_state(b, d, require)
+        with counted_loop(b, I64(0), f("n_tensors")) as i:
+            self._check_tensor(b, d, args, i, require)
         with b.if_then(b.icmp_unsigned("!=", f("module", PTR), NULL)):
-            training = self._getattr(b, f("module", PTR), f("training", PTR))
+            training = b.call(self.getattr, [f("module", PTR), f("training", PTR)])
+            b.call(self.decref, [training])  # compared by identity (True, False) only
             require(b.icmp_unsigned("==", training, f("expected_training", PTR)))
-        fn_mode = b.call(self.vectorcall, [f("fn_mode", PTR), NULL, I64(0), NULL])
-        b.call(self.decref, [fn_mode])
-        require(b.icmp_unsigned("==", fn_mode, f("false", PTR)))
-        self._check_grad(b, d, require)
+        fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
+        require(b.icmp_unsigned("==", fn_mode, I8(0)))
         b.ret(b.call(body, [d, args, nargs], tail=True))
         b.position_at_end(miss)
         b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
         b.ret(b.call(self.vectorcall, [f("on_miss", PTR), args, nargs, kwnames]))
-
-    def _getattr(self, b: ll.IRBuilder, obj: ll.Value, name: ll.Value) -> ll.Value:
-        """obj.name, compared by identity only (True, False), so released at once."""
-        r = b.call(self.getattr, [obj, name])
-        b.call(self.decref, [r])
-        return r
 
     def _check_consts(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, require: Callable) -> None:
         """type(arg) is type(value) and arg == value, for each specialised Python argument."""
@@ -290,56 +317,55 @@ class _Runtime:
             value = self.word(b, self.field(b, d, "const_values", PTR), i, PTR)
             require(b.icmp_signed("==", b.call(cmp, [arg, value, I32(PY_EQ)]), I32(1)))
 
-    def _check_tensors(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, require: Callable) -> None:
-        """TensorGuards.check(*tensor arguments) is True."""
-        n = self.field(b, d, "n_tensors")
-        with b.if_then(b.icmp_signed(">", n, I64(0))):
-            argv = self.field(b, d, "tensor_argv", PTR)
-            with counted_loop(b, I64(0), n) as i:
-                pos = self.word(b, self.field(b, d, "tensor_pos", PTR), i)
-                b.store(b.load(self.item(b, args, pos), typ=PTR), self.item(b, argv, i))
-            r = b.call(self.vectorcall, [self.field(b, d, "tg", PTR), argv, n, NULL])
-            b.call(self.decref, [r])
-            require(b.icmp_unsigned("==", r, self.field(b, d, "true", PTR)))
+    def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
+        """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or
+        autocast that eager would run the ops through; the same inference mode."""
+        guard = self._alloca(b, ll.ArrayType(I64, 2))
+        b.call(self.mb.declare(TLS_GUARD, VOID, [PTR, I64]), [guard, I64(0)])
+        state = b.load(guard, typ=PTR)
+        included, excluded = self.word(b, state, 0), self.word(b, state, 1)
+        b.call(self.mb.declare(TLS_GUARD_END, VOID, [PTR]), [guard])
+        require(b.icmp_unsigned("==", included, self.field(b, d, "tls_included")))
+        require(b.icmp_unsigned("==", excluded, self.field(b, d, "tls_excluded")))
 
-    def _check_param(self, b: ll.IRBuilder, d: ll.Value, i: ll.Value, require: Callable) -> None:
-        """A parameter native code reads: same type, dtype, device, layout, sizes and strides,
-        and memory behind it (the pointer itself is read again by the body)."""
-        p = self.record(b, d, "params", i, PARAM_WORDS)
-        with b.if_then(b.icmp_signed(">=", p("slot"), I64(0))):
-            obj = p("obj", PTR)
-            require(b.icmp_unsigned("==", b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR), p("type", PTR)))
+    def _tensor_object(self, b: ll.IRBuilder, args: ll.Value, t: Callable) -> ll.Value:
+        """The tensor of record `t`: its argument, or the parameter object it holds."""
+        obj = self._alloca(b, PTR)
+        b.store(t("obj", PTR), obj)
+        pos = t("pos")
+        with b.if_then(b.icmp_signed(">=", pos, I64(0))):
+            b.store(b.load(self.item(b, args, pos), typ=PTR), obj)
+        return b.load(obj, typ=PTR)
+
+    def _check_tensor(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, require: Callable) -> None:
+        """Tensor i as compiled: type, dispatch keys (so device, layout, and no lazy negation or
+        functorch wrapper), dtype, sizes, strides, memory behind it; and, in grad mode, it does
+        not require grad (autograd needs eager). The body reads the data pointer itself again."""
+        t = self.record(b, d, "tensors", i, TENSOR_WORDS)
+        obj = self._tensor_object(b, args, t)
+        impl = b.load(b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8), typ=PTR)
+        with b.if_then(b.icmp_signed("!=", t("layout"), I64(0))):
+            require(b.icmp_unsigned("==", b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR), t("type", PTR)))
+            keys = b.load(b.gep(impl, [I64(KEYSET_OFFSET)], source_etype=I8), typ=I64)
+            require(b.icmp_unsigned("==", keys, t("keys")))
             h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
             out = self._alloca(b, I64)
-            for getter, want in (
-                ("dtype", p("dtype")),
-                ("device_type", I64(shim_constant("device_type_cpu"))),
-                ("layout", I64(shim_constant("layout_strided"))),
-            ):
-                b.store(I64(0), out)  # the getters write an int32 into it
-                b.call(self.mb.declare(f"aoti_torch_get_{getter}", I32, [PTR, PTR]), [h, out])
-                require(b.icmp_signed("==", b.load(out, typ=I64), want))
+            b.store(I64(0), out)  # the getter writes an int32 into it
+            b.call(self.mb.declare("aoti_torch_get_dtype", I32, [PTR, PTR]), [h, out])
+            require(b.icmp_signed("==", b.load(out, typ=I64), t("dtype")))
             b.call(self.mb.declare("aoti_torch_get_dim", I32, [PTR, PTR]), [h, out])
-            ndim = p("ndim")
+            ndim = t("ndim")
             require(b.icmp_signed("==", b.load(out, typ=I64), ndim))
             for getter in ("sizes", "strides"):
                 b.call(self.mb.declare(f"aoti_torch_get_{getter}", I32, [PTR, PTR]), [h, out])
-                have, want = b.load(out, typ=PTR), p(getter, PTR)
+                have, want = b.load(out, typ=PTR), t(getter, PTR)
                 with counted_loop(b, I64(0), ndim) as k:
                     require(b.icmp_signed("==", self.word(b, have, k), self.word(b, want, k)))
             b.call(self.data_ptr, [h, out])
-            empty = b.icmp_signed("==", p("nonempty"), I64(0))
+            empty = b.icmp_signed("==", t("nonempty"), I64(0))
             require(b.or_(empty, b.icmp_unsigned("!=", b.load(out, typ=PTR), NULL)))
-
-    def _check_grad(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
-        """With grad mode on, no input or parameter may require grad (autograd needs eager)."""
-        enabled = b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])
-        with b.if_then(enabled):
-            require(b.icmp_signed("==", self.field(b, d, "grad_inputs"), I64(0)))
-            with counted_loop(b, I64(0), self.field(b, d, "n_params")) as i:
-                obj = self.record(b, d, "params", i, PARAM_WORDS)("obj", PTR)
-                flag = self._getattr(b, obj, self.field(b, d, "requires_grad", PTR))
-                require(b.icmp_unsigned("==", flag, self.field(b, d, "false", PTR)))
+        with b.if_then(b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])):
+            require(b.icmp_unsigned("==", b.call(self.mb.declare(REQUIRES_GRAD, I8, [PTR]), [impl]), I8(0)))
 
     # --- braze_body --------------------------------------------------------------------------
     def _body(self) -> ll.Function:
@@ -358,14 +384,10 @@ class _Runtime:
             b.store(NULL, self.item(b, handles, k))
         with counted_loop(b, I64(0), n_out) as k:
             self._allocate(b, d, k, self.item(b, handles, k), table, oom)
-        with counted_loop(b, I64(0), f("n_inputs")) as k:
-            rec = self.record(b, d, "inputs", k, ("pos", "slot"))
-            arg = b.load(self.item(b, args, rec("pos")), typ=PTR)
-            self._pointer_into(b, arg, table, rec("slot"))
-        with counted_loop(b, I64(0), f("n_params")) as k:
-            p = self.record(b, d, "params", k, PARAM_WORDS)
-            with b.if_then(b.icmp_signed(">=", p("slot"), I64(0))):
-                self._pointer_into(b, p("obj", PTR), table, p("slot"))
+        with counted_loop(b, I64(0), f("n_tensors")) as k:
+            t = self.record(b, d, "tensors", k, TENSOR_WORDS)
+            with b.if_then(b.icmp_signed(">=", t("slot"), I64(0))):
+                self._pointer_into(b, self._tensor_object(b, args, t), table, t("slot"))
         busy = b.gep(d, [I64(W["busy"])], source_etype=I64)
         took = b.extract_value(b.cmpxchg(busy, I64(0), I64(1), "acquire", "monotonic"), 1)
         fresh = self._scratch(b, d, table, took, oom)

@@ -25,10 +25,20 @@ _lock = threading.Lock()
 _state: dict[int, tuple[llvm.ExecutionEngine, llvm.TargetMachine]] = {}
 
 # A Python tensor object is PyObject_HEAD followed by its at::Tensor (torch/csrc/autograd/
-# python_variable.h), so object address + 16 is an AtenTensorHandle. Checked at start-up.
+# python_variable.h), so object address + 16 is an AtenTensorHandle, and the word there is the
+# c10::TensorImpl*. The impl keeps its dispatch key set (c10::DispatchKeySet, one 64-bit word) at
+# KEYSET_OFFSET. Both are checked at start-up.
 TENSOR_OFFSET = 16
-# THPVariable_Wrap(at::TensorBase&&): the one C++ function braze calls (it makes a Python tensor).
-WRAP = "_Z16THPVariable_WrapON2at10TensorBaseE"
+KEYSET_OFFSET = 168
+# The C++ functions braze calls, by their mangled names:
+WRAP = "_Z16THPVariable_WrapON2at10TensorBaseE"  # THPVariable_Wrap(at::TensorBase&&): a Python tensor
+REQUIRES_GRAD = "_ZNK3c1010TensorImpl13requires_gradEv"  # TensorImpl::requires_grad() const
+FN_MODE = "_ZN2at4impl27torch_function_mode_enabledEv"  # a TorchFunctionMode is active
+# ExcludeDispatchKeyGuard(DispatchKeySet) and its destructor. Constructed with the empty set it
+# changes nothing, and its first member then points at this thread's dispatch state
+# (c10::impl::PODLocalDispatchKeySet: the included and the excluded keys, one word each).
+TLS_GUARD = "_ZN3c104impl23ExcludeDispatchKeyGuardC1ENS_14DispatchKeySetE"
+TLS_GUARD_END = "_ZN3c104impl23ExcludeDispatchKeyGuardD1Ev"
 
 _C_API = (
     "PyObject_Vectorcall",
@@ -77,19 +87,48 @@ def _bind_symbols() -> None:
     for name in _SHIM:
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
+    for lib, name in ((cpu, FN_MODE), (_torch_lib("libc10.so"), REQUIRES_GRAD)):
+        llvm.add_symbol(name, _address(lib, name))
+    for name in (TLS_GUARD, TLS_GUARD_END):
+        llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))
     for name in ("aligned_alloc", "free"):
         llvm.add_symbol(name, _address(libc, name))
     _check_tensor_layout(cpu)
 
 
 def _check_tensor_layout(cpu: ctypes.CDLL) -> None:
-    """Native entries read tensors at TENSOR_OFFSET; refuse to run on a torch where that is wrong."""
+    """Native entries read tensors at TENSOR_OFFSET and KEYSET_OFFSET; refuse to run on a torch
+    where that is wrong."""
     get = cpu.aoti_torch_get_data_ptr
     get.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
     probe = torch.arange(6.0)[2:]
     ptr = ctypes.c_void_p()
-    if get(id(probe) + TENSOR_OFFSET, ctypes.byref(ptr)) != 0 or ptr.value != probe.data_ptr():
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    probes = (probe, torch._neg_view(probe), inference)  # three different key sets
+    if (
+        get(id(probe) + TENSOR_OFFSET, ctypes.byref(ptr)) != 0
+        or ptr.value != probe.data_ptr()
+        or any(dispatch_keys(t) != torch._C._dispatch_keys(t).raw_repr() for t in probes)
+    ):
         raise RuntimeError(f"braze: torch {torch.__version__} lays out tensor objects differently; braze needs 2.13")
+
+
+def dispatch_keys(t: torch.Tensor) -> int:
+    """The raw dispatch key set of `t`, read where native code reads it."""
+    impl = ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value
+    return ctypes.c_uint64.from_address(impl + KEYSET_OFFSET).value
+
+
+def tls_dispatch_words() -> tuple[int, int]:
+    """This thread's dispatch state, raw (included and excluded keys), as native code reads it."""
+    c10 = _torch_lib("libc10.so")
+    guard = (ctypes.c_uint64 * 2)()
+    getattr(c10, TLS_GUARD)(ctypes.byref(guard), ctypes.c_uint64(0))
+    state = (ctypes.c_uint64 * 2).from_address(guard[0])
+    words = (state[0], state[1])
+    getattr(c10, TLS_GUARD_END)(ctypes.byref(guard))
+    return words
 
 
 @functools.cache

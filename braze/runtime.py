@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._C._dynamo.guards import TensorGuards
 from torch.utils import _pytree as pytree
 
 from . import config, entry
@@ -161,26 +160,20 @@ class Program:
         self._local = threading.local()
         spec = self._spec(lowered, guard, fresh)
         self.entry, self.body = self._build(spec, lowered)
-        self.rearm(guard.args)
 
     # --- per call state ----------------------------------------------------------------------
     def rearm(self, args: tuple[Any, ...]) -> bool:
-        """Rebuild the tensor check of `entry` from arguments that match this signature, under
-        the thread's dispatch state now; False if a parameter no longer has its compiled layout.
+        """Let `entry` accept these arguments (which match this signature) under the thread's
+        dispatch state now; False if a parameter no longer has its compiled layout.
 
-        TensorGuards compares each tensor's type, dtype, device, sizes, strides, requires_grad and
-        dispatch keys, with the thread's dispatch state applied: a program compiled under no_grad
-        and then called under inference_mode misses once, the caller (having matched the full
-        signature) rearms it, and later calls take the fast path again.
+        The entry compares the thread's dispatch state and each tensor's dispatch keys with those
+        it expects: a program compiled under no_grad and then called under inference_mode misses
+        once, the caller (having matched the full signature) rearms it, and later calls take the
+        fast path again.
         """
         if [_param_layout(p) for p in self.params] != self._param_layouts:
             return False
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        sizes = [list(t.shape) for t in tensors]
-        strides = [list(t.stride()) for t in tensors]
-        # Explicit per-tensor lists: TensorGuards reads them unchecked.
-        tg = TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-        self._descriptor.set_object("tg", tg.check)
+        self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return True
 
     def bind(self, on_miss: Any) -> None:
@@ -199,20 +192,20 @@ class Program:
     # --- building ----------------------------------------------------------------------------
     def _spec(self, lowered: Lowered, guard: Guard, fresh: dict[str, str]) -> entry.EntrySpec:
         slot, reads = self.layout.slot, self.reads
-        nodes = [n for n in self.graph.nodes if n.op is Op.INPUT]
-        tensors = tuple(i for i, a in enumerate(guard.args) if isinstance(a, torch.Tensor))
+        read = {n.attrs["index"]: slot[n.name] for n in self.graph.nodes if n.op is Op.INPUT and n.name in reads}
+        args = enumerate(guard.args)
+        tensors = [entry.TensorCheck(a, i, read.get(i, -1), True) for i, a in args if isinstance(a, torch.Tensor)]
+        for name, p in zip(self.param_names, self.params):
+            natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
+            tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively))
         outs = [fresh[v] for v in lowered.out_leaves] if self.native else []
         return entry.EntrySpec(
             n_args=lowered.n_args,
-            tensor_args=tensors,
+            tensors=tuple(tensors),
             const_args=tuple((i, a) for i, a in enumerate(guard.args) if not isinstance(a, torch.Tensor)),
-            grad_inputs=any(guard.args[i].requires_grad for i in tensors),
-            params=tuple(self.params),
-            param_slots=tuple(slot[n] if n in reads else -1 for n in self.param_names),
             module=guard.module,
             epoch=guard.epoch,
             epoch_value=guard.epoch_value,
-            inputs=tuple((n.attrs["index"], slot[n.name]) for n in nodes if n.name in reads),
             outputs=tuple((slot[o], self.alloc[o]) for o in outs),
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=tuple((self.layout.tmp_slot[b], nb) for b, nb in self.layout.scratch_bytes.items())

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import braze
 from braze.entry import W
@@ -69,6 +70,11 @@ def test_a_linear_on_a_3d_input_is_native():
     assert program(compiled).native
 
 
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_guard_refuses_what_the_program_was_not_compiled_for():
     model, x = mlp(), torch.randn(8, 16)
     compiled, prog = compiled_for(model, x)
@@ -90,6 +96,12 @@ def test_the_guard_refuses_what_the_program_was_not_compiled_for():
         model.eval()
         with torch.device("cpu"):  # a TorchFunctionMode
             assert prog.entry(x) is MISS
+        with _PassThrough():  # a TorchDispatchMode
+            assert prog.entry(x) is MISS
+        with torch.autocast("cpu"):
+            assert prog.entry(x) is MISS
+        assert prog.entry(x) is not MISS
+    assert prog.entry(x.clone().requires_grad_()) is MISS  # grad mode on and an input requires grad
     model[0].weight.requires_grad_(True)
     assert prog.entry(x) is MISS  # grad mode on and a parameter requires grad
     with torch.no_grad():

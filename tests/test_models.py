@@ -114,6 +114,34 @@ def test_bad_inputs_never_crash_the_process():
     assert "survived" in out.stdout
 
 
+def test_functorch_transforms_see_what_eager_gives_them():
+    # Under vmap and functionalize the wrapper receives tensors that look like plain CPU tensors
+    # but whose bytes are not their values (or that have none): they must run eagerly. In a
+    # subprocess: the native body once read such a tensor's missing data pointer and crashed.
+    script = textwrap.dedent(
+        """
+        import torch, braze, warnings
+        from torch.func import functionalize, grad, vmap
+        warnings.simplefilter("ignore")
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
+        c = braze.compile(model)
+        x = torch.randn(5, 8, 64)
+        with torch.no_grad():
+            c(x[0]), c(x[0])  # the program is in place and its entry installed
+            assert torch.equal(vmap(c)(x), vmap(model)(x))
+            assert torch.equal(functionalize(c)(x[0]), model(x[0]))
+            assert torch.equal(c(x[0]), model(x[0]))  # and the fast path is back
+        def loss(f):
+            return lambda t: f(t).square().sum()
+        assert torch.equal(grad(loss(c))(x[0]), grad(loss(model))(x[0]))
+        print("agreed")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "agreed" in out.stdout
+
+
 def test_grad_mode_runs_eagerly_and_keeps_autograd():
     model = lesson()
     compiled = braze.compile(model)
