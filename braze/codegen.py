@@ -247,7 +247,17 @@ def _nest(
                 level(depth + 1)
                 idx.pop()
             return
-        if width > 1 and dims[depth].size >= UNROLL * width:
+        size = dims[depth].size
+        if depth > 0 and size <= FULL_UNROLL:
+            # A short row inside a loop nest: straight-line code, no loop of its own (at -O0 the
+            # row's counter and bounds checks would cost more than its few vectors).
+            whole = size // width * width if width > 1 else 0
+            if whole:
+                inner(b, idx + [I64(0)], width, tuple(range(0, whole, width)))
+            if size > whole:
+                inner(b, idx + [I64(whole)], 1, tuple(range(size - whole)))
+            return
+        if width > 1 and size >= UNROLL * width:
             # Unrolled: without LLVM's optimiser the loop counter lives on the stack, and its
             # store-to-load chain, not the arithmetic, would set the pace of a one-vector loop.
             unrolled = tuple(u * width for u in range(UNROLL))
@@ -300,6 +310,7 @@ class counted_loop:  # lower case: it reads as a statement, `with counted_loop(.
 
 WIDTH = 8  # float32 lanes of an AVX2 register
 UNROLL = 4  # vectors per iteration of the main loop
+FULL_UNROLL = 128  # elements: inner rows this short are written out in full
 
 
 class _BodyEmitter:
