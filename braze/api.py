@@ -106,14 +106,17 @@ class _Failed:
         self.why = why
 
 
-def build_program(captured: capture.Captured, args: tuple[Any, ...], module: torch.nn.Module | None = None) -> Program:
-    """Run the pipeline after capture for one argument signature."""
+def build_program(
+    captured: capture.Captured, args: tuple[Any, ...], modules: tuple[torch.nn.Module, ...] = ()
+) -> Program:
+    """Run the pipeline after capture for one argument signature; `modules` are those whose
+    `training` flags the capture read (the model's)."""
     t0 = time.perf_counter()
     lowered = lower(captured, args)
     t1 = time.perf_counter()
     graph, log = run_passes(lowered.graph)
     timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
-    prog = Program(lowered, graph, timings, Guard(args, module, epoch, epoch[0]))
+    prog = Program(lowered, graph, timings, Guard(args, modules, epoch, epoch[0]))
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
@@ -150,12 +153,15 @@ class CompiledModule:
         self.cache_size = config.cache_size if cache_size is None else cache_size
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._captured: capture.Captured | None = None
+        self._captured_flags: tuple[bool, ...] = ()  # the modules' training flags it was traced with
         self._dynamo: Callable[..., Any] | None = None
         self._epoch = epoch[0]
         self._lock = threading.Lock()
         self._said: set[str] = set()
         self._module = fn if isinstance(fn, torch.nn.Module) else None
-        self._params = list(self._module.parameters()) if self._module is not None else []
+        self._modules: tuple[torch.nn.Module, ...] = ()
+        self._params: list[torch.nn.Parameter] = []
+        self._find_state()
         self._subgraphs: list[CompiledModule] = []  # TorchDynamo's graphs, when FX could not trace
         functools.update_wrapper(self, fn, updated=())
 
@@ -190,7 +196,7 @@ class CompiledModule:
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
         try:
-            key = _signature(args) + (self._module.training if self._module is not None else None,)
+            key = _signature(args) + tuple(m.training for m in self._modules)
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):
@@ -246,6 +252,12 @@ class CompiledModule:
         self._install(None)
         self._captured = None
         self._epoch = epoch[0]
+        self._find_state()
+
+    def _find_state(self) -> None:
+        """The model's modules (each one's `training` flag is part of what is compiled: a
+        submodule's Dropout reads its own) and parameters."""
+        self._modules = tuple(self._module.modules()) if self._module is not None else ()
         self._params = list(self._module.parameters()) if self._module is not None else []
 
     def _say(self, why: str) -> None:
@@ -275,15 +287,16 @@ class CompiledModule:
 
     def _build(self, args: tuple) -> Any:
         t0 = time.perf_counter()
-        if self._captured is None:
+        flags = tuple(m.training for m in self._modules)
+        if self._captured is None or self._captured_flags != flags:  # forward may branch on them
             try:
-                self._captured = capture.trace(self.fn, len(args))
+                self.use_capture(capture.trace(self.fn, len(args)))
             except capture.CaptureError as e:
                 self._dynamo = _dynamo_fallback(self, str(e))
                 return None
         capture_ms = (time.perf_counter() - t0) * 1e3
         try:
-            prog = build_program(self._captured, args, self._module)
+            prog = build_program(self._captured, args, self._modules)
         except Unsupported as e:
             self._say(str(e))
             return _EAGER
@@ -295,6 +308,11 @@ class CompiledModule:
         prog.total_ms = (time.perf_counter() - t0) * 1e3
         debug.report_compile(prog, self.fn)
         return prog
+
+    def use_capture(self, captured: capture.Captured) -> None:
+        """Compile from `captured`, a graph of the model with its modules' flags as they are now."""
+        self._captured = captured
+        self._captured_flags = tuple(m.training for m in self._modules)
 
     def programs(self) -> list[Program]:
         """The compiled specialisations this wrapper holds, oldest first."""

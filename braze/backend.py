@@ -18,5 +18,5 @@ from .capture import from_graph_module
 def braze_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """A TorchDynamo backend: returns a braze wrapper of `gm` (compiled on its first call)."""
     wrapper = CompiledModule(gm)
-    wrapper._captured = from_graph_module(gm)
+    wrapper.use_capture(from_graph_module(gm))
     return wrapper

@@ -26,6 +26,7 @@ jit.TENSOR_OFFSET.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class EntrySpec:
     n_args: int
     tensors: tuple[TensorCheck, ...]  # the tensor arguments, then the parameters
     const_args: tuple[tuple[int, Any], ...]  # (position, value) of specialised Python values
-    module: torch.nn.Module | None  # whose `training` flag must stay as compiled
+    modules: tuple[torch.nn.Module, ...]  # whose `training` flags must stay as compiled
     epoch: Any  # ctypes int64 cell bumped when any module changes structure
     epoch_value: int
     outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout) allocated per call and returned
@@ -85,12 +86,13 @@ class EntrySpec:
 # --- the descriptor: one record of 8-byte words, read by the generic code by index ----------------
 
 _FIELDS = (
-    "miss on_miss py_body run training module expected_training oom epoch epoch_value n_args "
+    "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded n_tensors tensors "
     "n_outputs outputs tuple_output n_scratch scratch scratch_total n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
+MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "offset", "kept")
 
@@ -111,10 +113,10 @@ class Descriptor:
         self._body(spec, py_body, run, scratch)
 
     def _guard(self, spec: EntrySpec, miss: Any) -> None:
-        objs = {"miss": miss, "training": "training", "module": spec.module}
-        objs["expected_training"] = spec.module.training if spec.module is not None else None
-        for name, obj in objs.items():
+        for name, obj in {"miss": miss, "training": sys.intern("training")}.items():
             self.set_object(name, obj)
+        modules = [w for m in spec.modules for w in (self._ref(m), self._ref(m.training), _lookup(m))]
+        self._set_array("modules", "n_modules", modules, len(spec.modules))
         self.set("epoch", ctypes.addressof(spec.epoch))
         self.set("epoch_value", spec.epoch_value)
         self.set("n_args", spec.n_args)
@@ -188,6 +190,14 @@ class Descriptor:
     def _output(self, slot: int, meta: TensorMeta) -> list[int]:
         sizes, strides = self._shape(meta.shape, meta.stride)
         return [slot, _dtype(meta.dtype), len(meta.shape), sizes, strides]
+
+
+def _lookup(m: torch.nn.Module) -> int:
+    """How the entry reads m.training: from the instance dict (as getattr finds it there), or
+    by getattr itself where the class defines `training` or customises attribute access."""
+    cls = type(m)
+    custom = cls.__getattribute__ is not object.__getattribute__ or any("training" in vars(k) for k in cls.__mro__)
+    return int(custom)
 
 
 def _dtype(dtype: torch.dtype) -> int:
@@ -296,10 +306,8 @@ class _Runtime:
         self._check_dispatch_state(b, d, require)
         with counted_loop(b, I64(0), f("n_tensors")) as i:
             self._check_tensor(b, d, args, i, require)
-        with b.if_then(b.icmp_unsigned("!=", f("module", PTR), NULL)):
-            training = b.call(self.getattr, [f("module", PTR), f("training", PTR)])
-            b.call(self.decref, [training])  # compared by identity (True, False) only
-            require(b.icmp_unsigned("==", training, f("expected_training", PTR)))
+        with counted_loop(b, I64(0), f("n_modules")) as i:
+            self._check_training(b, d, i, require)
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
         b.ret(b.call(body, [d, args, nargs], tail=True))
@@ -316,6 +324,25 @@ class _Runtime:
             require(b.icmp_unsigned("==", ob_type, self.word(b, self.field(b, d, "const_types", PTR), i, PTR)))
             value = self.word(b, self.field(b, d, "const_values", PTR), i, PTR)
             require(b.icmp_signed("==", b.call(cmp, [arg, value, I32(PY_EQ)]), I32(1)))
+
+    def _check_training(self, b: ll.IRBuilder, d: ll.Value, i: ll.Value, require: Callable) -> None:
+        """Module i's `training` is the object (True or False) it was when compiled."""
+        m = self.record(b, d, "modules", i, MODULE_WORDS)
+        obj, name = m("obj", PTR), self.field(b, d, "training", PTR)
+        found = self._alloca(b, PTR)
+        with b.if_else(b.icmp_signed("==", m("lookup"), I64(0))) as (in_dict, by_getattr):
+            with in_dict:  # a borrowed reference, or NULL (no dict, no entry: then a miss)
+                slot = b.call(self.mb.declare("_PyObject_GetDictPtr", PTR, [PTR]), [obj])
+                d_ = b.load(slot, typ=PTR)
+                get = self.mb.declare("PyDict_GetItemWithError", PTR, [PTR, PTR])
+                b.store(NULL, found)
+                with b.if_then(b.icmp_unsigned("!=", d_, NULL)):
+                    b.store(b.call(get, [d_, name]), found)
+            with by_getattr:
+                value = b.call(self.getattr, [obj, name])
+                b.call(self.decref, [value])  # compared by identity (True, False) only
+                b.store(value, found)
+        require(b.icmp_unsigned("==", b.load(found, typ=PTR), m("expected", PTR)))
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or

@@ -43,6 +43,8 @@ TLS_GUARD_END = "_ZN3c104impl23ExcludeDispatchKeyGuardD1Ev"
 _C_API = (
     "PyObject_Vectorcall",
     "PyObject_GetAttr",
+    "_PyObject_GetDictPtr",
+    "PyDict_GetItemWithError",
     "PyObject_RichCompareBool",
     "PyTuple_New",
     "PyTuple_SetItem",

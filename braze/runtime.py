@@ -203,7 +203,7 @@ class Program:
             n_args=lowered.n_args,
             tensors=tuple(tensors),
             const_args=tuple((i, a) for i, a in enumerate(guard.args) if not isinstance(a, torch.Tensor)),
-            module=guard.module,
+            modules=guard.modules,
             epoch=guard.epoch,
             epoch_value=guard.epoch_value,
             outputs=tuple((slot[o], self.alloc[o]) for o in outs),
@@ -312,7 +312,7 @@ class Guard:
     """What a program was specialised for: its example arguments and the state around them."""
 
     args: tuple[Any, ...]  # the example arguments
-    module: torch.nn.Module | None  # whose `training` flag must stay as it was
+    modules: tuple[torch.nn.Module, ...]  # whose `training` flags must stay as they were
     epoch: Any  # the global module-change counter (a ctypes int64 cell, api.epoch)
     epoch_value: int  # and its value now
 

@@ -275,6 +275,50 @@ def test_train_and_eval_switch():
     assert torch.equal(actual, expected)  # dropout runs through ATen on the same random stream
 
 
+class _FlagAsProperty(nn.Module):
+    """A module whose `training` is a class-level property, not an instance attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    @property
+    def training(self) -> bool:
+        return self.drop.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass  # Module.__init__ and train() set it; it follows the submodule instead
+
+    def forward(self, x):
+        return x * 2 if self.training else x + 1
+
+
+@pytest.mark.parametrize("flip", ["submodule", "property"])
+def test_a_submodule_switched_to_train_is_seen(flip):
+    # Only one submodule's flag changes: what the program was compiled for is every module's.
+    if flip == "submodule":
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).eval()
+        switch = model[1]
+    else:
+        model = _FlagAsProperty().eval()
+        switch = model.drop
+    compiled = braze.compile(model)
+    x = torch.randn(4, 8)
+    for _ in range(2):  # compiled, then through the entry
+        check_model(model, (x,), compiled=compiled)
+    switch.train()
+    for _ in range(2):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            expected = model(x)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), expected)
+    switch.eval()
+    check_model(model, (x,), compiled=compiled)
+
+
 @pytest.mark.parametrize(
     "model,rows",
     [
