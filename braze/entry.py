@@ -265,8 +265,9 @@ class _Runtime:
         self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
 
     def emit(self) -> None:
-        body = self._body()
-        self._entry(body)
+        run = self._run()
+        self._body(run)
+        self._entry(run)
 
     # --- reading the descriptor --------------------------------------------------------------
     @staticmethod
@@ -288,11 +289,12 @@ class _Runtime:
         return b.gep(array, [I64(i) if isinstance(i, int) else i], source_etype=PTR)
 
     # --- braze_entry: the guard --------------------------------------------------------------
-    def _entry(self, body: ll.Function) -> None:
+    def _entry(self, run: ll.Function) -> None:
         fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR, I64, PTR]), "braze_entry")
         d, args, nargs, kwnames = fn.args
         b = ll.IRBuilder(fn.append_basic_block("entry"))
         miss = fn.append_basic_block("miss")
+        table = b.alloca(PTR, size=self.field(b, d, "n_slots"))  # the guard reads data pointers into it
 
         def require(ok: ll.Value) -> None:
             nxt = fn.append_basic_block("ok")
@@ -305,12 +307,13 @@ class _Runtime:
         self._check_consts(b, d, args, require)
         self._check_dispatch_state(b, d, require)
         with counted_loop(b, I64(0), f("n_tensors")) as i:
-            self._check_tensor(b, d, args, i, require)
+            self._check_tensor(b, d, args, i, table, require)
         with counted_loop(b, I64(0), f("n_modules")) as i:
             self._check_training(b, d, i, require)
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
-        b.ret(b.call(body, [d, args, nargs], tail=True))
+        self._python_body(b, d, args, nargs)
+        b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)
         b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
         b.ret(b.call(self.vectorcall, [f("on_miss", PTR), args, nargs, kwnames]))
@@ -364,10 +367,12 @@ class _Runtime:
             b.store(b.load(self.item(b, args, pos), typ=PTR), obj)
         return b.load(obj, typ=PTR)
 
-    def _check_tensor(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, require: Callable) -> None:
+    def _check_tensor(
+        self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, table: ll.Value, require: Callable
+    ) -> None:
         """Tensor i as compiled: type, dispatch keys (so device, layout, and no lazy negation or
-        functorch wrapper), dtype, sizes, strides, memory behind it; and, in grad mode, it does
-        not require grad (autograd needs eager). The body reads the data pointer itself again."""
+        functorch wrapper), dtype, sizes, strides, memory behind it (its data pointer goes into
+        the table); and, in grad mode, it does not require grad (autograd needs eager)."""
         t = self.record(b, d, "tensors", i, TENSOR_WORDS)
         obj = self._tensor_object(b, args, t)
         impl = b.load(b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8), typ=PTR)
@@ -388,22 +393,43 @@ class _Runtime:
                 have, want = b.load(out, typ=PTR), t(getter, PTR)
                 with counted_loop(b, I64(0), ndim) as k:
                     require(b.icmp_signed("==", self.word(b, have, k), self.word(b, want, k)))
-            b.call(self.data_ptr, [h, out])
+            slot = t("slot")
+            into = b.select(b.icmp_signed(">=", slot, I64(0)), self.item(b, table, slot), out)
+            b.call(self.data_ptr, [h, into])
             empty = b.icmp_signed("==", t("nonempty"), I64(0))
-            require(b.or_(empty, b.icmp_unsigned("!=", b.load(out, typ=PTR), NULL)))
+            require(b.or_(empty, b.icmp_unsigned("!=", b.load(into, typ=PTR), NULL)))
         with b.if_then(b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])):
             require(b.icmp_unsigned("==", b.call(self.mb.declare(REQUIRES_GRAD, I8, [PTR]), [impl]), I8(0)))
 
-    # --- braze_body --------------------------------------------------------------------------
-    def _body(self) -> ll.Function:
+    # --- braze_body and braze_run ----------------------------------------------------------
+    def _python_body(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, nargs: ll.Value) -> None:
+        """A program with ATen calls: return what its generated Python body returns."""
+        py_body = self.field(b, d, "py_body", PTR)
+        with b.if_then(b.icmp_unsigned("!=", py_body, NULL)):
+            b.ret(b.call(self.vectorcall, [py_body, args, nargs, NULL]))
+
+    def _body(self, run: ll.Function) -> None:
         fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR, I64]), "braze_body")
         d, args, nargs = fn.args
         b = ll.IRBuilder(fn.append_basic_block("entry"))
+        self._python_body(b, d, args, nargs)
+        table = b.alloca(PTR, size=self.field(b, d, "n_slots"))
+        with counted_loop(b, I64(0), self.field(b, d, "n_tensors")) as k:
+            t = self.record(b, d, "tensors", k, TENSOR_WORDS)
+            with b.if_then(b.icmp_signed(">=", t("slot"), I64(0))):
+                handle = b.gep(self._tensor_object(b, args, t), [I64(TENSOR_OFFSET)], source_etype=I8)
+                b.call(self.data_ptr, [handle, self.item(b, table, t("slot"))])
+        b.ret(b.call(run, [d, table]))
+
+    def _run(self) -> ll.Function:
+        """braze_run(descriptor, table): the table holds the arguments' and parameters' data
+        pointers; allocate the outputs, point at the scratch buffers, run the kernels, return
+        the outputs."""
+        fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR]), "braze_run")
+        fn.linkage = "internal"
+        d, table = fn.args
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
         f = lambda name, ty=I64: self.field(b, d, name, ty)  # noqa: E731
-        py_body = f("py_body", PTR)
-        with b.if_then(b.icmp_unsigned("!=", py_body, NULL)):
-            b.ret(b.call(self.vectorcall, [py_body, args, nargs, NULL]))
-        table = b.alloca(PTR, size=f("n_slots"))
         n_out = f("n_outputs")
         handles = b.alloca(PTR, size=n_out)
         oom = fn.append_basic_block("oom")
@@ -411,10 +437,6 @@ class _Runtime:
             b.store(NULL, self.item(b, handles, k))
         with counted_loop(b, I64(0), n_out) as k:
             self._allocate(b, d, k, self.item(b, handles, k), table, oom)
-        with counted_loop(b, I64(0), f("n_tensors")) as k:
-            t = self.record(b, d, "tensors", k, TENSOR_WORDS)
-            with b.if_then(b.icmp_signed(">=", t("slot"), I64(0))):
-                self._pointer_into(b, self._tensor_object(b, args, t), table, t("slot"))
         busy = b.gep(d, [I64(W["busy"])], source_etype=I64)
         took = b.extract_value(b.cmpxchg(busy, I64(0), I64(1), "acquire", "monotonic"), 1)
         fresh = self._scratch(b, d, table, took, oom)
@@ -493,10 +515,6 @@ class _Runtime:
         b.ret(tup)
 
     # --- helpers -----------------------------------------------------------------------------
-    def _pointer_into(self, b: ll.IRBuilder, obj: ll.Value, table: ll.Value, slot: ll.Value) -> None:
-        handle = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
-        b.call(self.data_ptr, [handle, self.item(b, table, slot)])
-
     @staticmethod
     def _alloca(b: ll.IRBuilder, ty: ll.Type) -> ll.Value:
         with b.goto_entry_block():
