@@ -106,17 +106,17 @@ class _Failed:
         self.why = why
 
 
-def build_program(
-    captured: capture.Captured, args: tuple[Any, ...], modules: tuple[torch.nn.Module, ...] = ()
-) -> Program:
-    """Run the pipeline after capture for one argument signature; `modules` are those whose
-    `training` flags the capture read (the model's)."""
+def build_program(captured: capture.Captured, args: tuple[Any, ...]) -> Program:
+    """Run the pipeline after capture for one argument signature."""
     t0 = time.perf_counter()
     lowered = lower(captured, args)
     t1 = time.perf_counter()
     graph, log = run_passes(lowered.graph)
     timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
-    prog = Program(lowered, graph, timings, Guard(args, modules, epoch, epoch[0]))
+    # The modules whose `training` the program was built for: those whose forward the capture
+    # inlined, and those a lowering decided on (dropout). Other modules' flags change nothing.
+    flags = {id(m): m for m in (*captured.traced, *lowered.reads_training)}
+    prog = Program(lowered, graph, timings, Guard(args, tuple(flags.values()), epoch, epoch[0]))
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
@@ -296,7 +296,7 @@ class CompiledModule:
                 return None
         capture_ms = (time.perf_counter() - t0) * 1e3
         try:
-            prog = build_program(self._captured, args, self._modules)
+            prog = build_program(self._captured, args)
         except Unsupported as e:
             self._say(str(e))
             return _EAGER

@@ -24,11 +24,26 @@ class CaptureError(RuntimeError):
 class Captured:
     graph: torch.fx.Graph
     root: torch.nn.Module  # what get_attr and call_module targets resolve against
+    traced: tuple[torch.nn.Module, ...] = ()  # modules whose forward the graph inlines
+
+
+# Modules whose forward is only a loop over their children: never a branch on `training`.
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 class _Tracer(torch.fx.Tracer):
-    # Keep torch.nn's own modules as single nodes (the default) so lowering sees nn.Linear whole.
-    pass
+    """Keeps torch.nn's own modules as single nodes (the default), so lowering sees nn.Linear
+    whole; notes the modules whose forward it inlines (the graph holds their `training` as it
+    was)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inlined: list[torch.nn.Module] = []
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if not self.is_leaf_module(m, self.path_of_module(m)):
+            self.inlined.append(m)
+        return super().call_module(m, forward, args, kwargs)
 
 
 # Factories that FX would run once while tracing and bake in as constants, when eager draws
@@ -65,7 +80,9 @@ def trace(fn: Callable[..., Any], n_args: int) -> Captured:
     except Exception as e:  # FX raises many kinds: TraceError, TypeError, NotImplementedError...
         raise CaptureError(f"torch.fx could not trace {_name(fn)}: {type(e).__name__}: {e}") from e
     # For a function, the tracer's own root holds the tensors it closes over (_tensor_constant0).
-    return Captured(graph, tracer.root)
+    inlined = ([fn] if isinstance(fn, torch.nn.Module) else []) + tracer.inlined
+    traced = tuple({id(m): m for m in inlined if type(m) not in _CONTAINERS}.values())
+    return Captured(graph, tracer.root, traced)
 
 
 def _traceable(fn: Callable[..., Any], n_args: int) -> Callable[..., Any]:

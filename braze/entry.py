@@ -306,8 +306,9 @@ class _Runtime:
         require(b.icmp_signed("==", b.load(f("epoch", PTR), typ=I64), f("epoch_value")))
         self._check_consts(b, d, args, require)
         self._check_dispatch_state(b, d, require)
+        grad_mode = b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])
         with counted_loop(b, I64(0), f("n_tensors")) as i:
-            self._check_tensor(b, d, args, i, table, require)
+            self._check_tensor(b, d, args, i, table, grad_mode, require)
         with counted_loop(b, I64(0), f("n_modules")) as i:
             self._check_training(b, d, i, require)
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
@@ -368,7 +369,14 @@ class _Runtime:
         return b.load(obj, typ=PTR)
 
     def _check_tensor(
-        self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, table: ll.Value, require: Callable
+        self,
+        b: ll.IRBuilder,
+        d: ll.Value,
+        args: ll.Value,
+        i: ll.Value,
+        table: ll.Value,
+        grad_mode: ll.Value,
+        require: Callable,
     ) -> None:
         """Tensor i as compiled: type, dispatch keys (so device, layout, and no lazy negation or
         functorch wrapper), dtype, sizes, strides, memory behind it (its data pointer goes into
@@ -398,7 +406,7 @@ class _Runtime:
             b.call(self.data_ptr, [h, into])
             empty = b.icmp_signed("==", t("nonempty"), I64(0))
             require(b.or_(empty, b.icmp_unsigned("!=", b.load(into, typ=PTR), NULL)))
-        with b.if_then(b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])):
+        with b.if_then(grad_mode):
             require(b.icmp_unsigned("==", b.call(self.mb.declare(REQUIRES_GRAD, I8, [PTR]), [impl]), I8(0)))
 
     # --- braze_body and braze_run ----------------------------------------------------------

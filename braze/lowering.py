@@ -50,6 +50,7 @@ class Lowered:
     out_leaves: list[Any]  # per output leaf: an IR value name (str) or a constant ("const", x)
     externs: list[tuple[str, str]]  # (op, why) for every EXTERN node
     n_args: int  # positional arguments the program takes
+    reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
 
 
 def to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,7 @@ class Lowerer:
         self.viewed: set[str] = set()
         self.ops: dict[str, Op] = {}
         self.externs: list[tuple[str, str]] = []
+        self.reads_training: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.real: dict[str, Any] = {}  # example value of each Sym (see example())
 
@@ -267,7 +269,7 @@ class Lowerer:
         out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
-        return Lowered(graph, spec, out_leaves, self.externs, n_args)
+        return Lowered(graph, spec, out_leaves, self.externs, n_args, tuple(self.reads_training))
 
 
 def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:
@@ -393,9 +395,11 @@ def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
 
 
 def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    training = (
-        fn.training if isinstance(fn, torch.nn.Module) else kwargs.get("training", args[2] if len(args) > 2 else True)
-    )
+    if isinstance(fn, torch.nn.Module):
+        lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
+        training = fn.training
+    else:
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
     if training:
         raise NotNative("dropout in training mode is random")
     return args[0]

@@ -148,6 +148,7 @@ class Program:
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
         self._param_layouts = [_param_layout(p) for p in self.params]
+        self.flag_modules = guard.modules  # whose `training` flags the entry checks
         self.externs = lowered.externs
         self.timings = list(timings)
         self.scratch_views: list[str] = []

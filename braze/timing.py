@@ -54,12 +54,14 @@ def compare(fns: dict[str, Callable[..., Any]], args: tuple, rounds: int = 15, s
     return out
 
 
-def blas_only_us(prog: Any, rounds: int = 15, seconds: float = 0.05) -> float:
-    """Microseconds the program's sgemm_ calls take alone, with the same arguments.
+def blas_only(prog: Any) -> dict[str, Callable[..., Any]]:
+    """Two callables to time beside the program, ignoring their arguments: `blas` makes the
+    program's sgemm_ calls alone, with the same arguments, through ctypes; `ctypes` makes an empty
+    native call the same way. Per round, `braze - (blas - ctypes)` is everything braze adds to
+    the BLAS calls: the guard, allocation, pointer set-up, loops, the call from Python.
 
     Built from the program's own GEMM nodes with bias and epilogue removed, run on buffers of
-    the program's sizes, so `braze call - this` is everything braze adds: the guard, allocation,
-    pointer set-up, loops, the call from Python.
+    the program's sizes. Empty when the program makes no GEMM.
     """
     import ctypes
 
@@ -72,7 +74,7 @@ def blas_only_us(prog: Any, rounds: int = 15, seconds: float = 0.05) -> float:
 
     gemms = [n for s in prog.segments for n in s.kernels if n.op is Op.GEMM]
     if not gemms:
-        return 0.0
+        return {}
     bare = [dataclasses.replace(n, inputs=n.inputs[:2] + (None,), attrs={**n.attrs, "body": ()}) for n in gemms]
     mb = ModuleBuilder("blas_only", prog._access, 1 << 62)
     names = [mb.segment(Segment("blas", bare)).name, mb.segment(Segment("empty", [])).name]
@@ -88,5 +90,14 @@ def blas_only_us(prog: Any, rounds: int = 15, seconds: float = 0.05) -> float:
     for slot, t in buffers.items():
         table[slot] = t.data_ptr()
     at = ctypes.addressof(table)
-    # The ctypes call itself is braze's overhead, not BLAS time: subtract an empty native call.
-    return min(_per_call_us(blas, (at,), seconds) - _per_call_us(empty, (at,), seconds) for _ in range(rounds))
+
+    def call(fn: Any) -> Callable[..., Any]:
+        return lambda *_, keep=(table, buffers): fn(at)  # they live as long as the callable
+
+    return {"blas": call(blas), "ctypes": call(empty)}
+
+
+def overhead_us(r: Comparison, name: str) -> float:
+    """What `name` adds to its BLAS calls (see blas_only), from the fastest round of each: other
+    work on the machine only ever adds time, and the rounds were interleaved."""
+    return r[name].us - (r["blas"].us - r["ctypes"].us)

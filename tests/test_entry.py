@@ -91,8 +91,8 @@ def test_the_guard_refuses_what_the_program_was_not_compiled_for():
             ((torch._neg_view(x),), {}),  # a lazily negated tensor: dispatch keys
         ]:
             assert prog.entry(*args, **kwargs) is MISS, (args, kwargs)
-        model.train()
-        assert prog.entry(x) is MISS
+        model.train()  # no module of this model reads its flag: the program still holds
+        assert_same(prog.entry(x), model(x))
         model.eval()
         with torch.device("cpu"):  # a TorchFunctionMode
             assert prog.entry(x) is MISS
@@ -107,6 +107,30 @@ def test_the_guard_refuses_what_the_program_was_not_compiled_for():
     with torch.no_grad():
         model[0].weight.data = torch.randn(32, 16).t().contiguous().t()  # same shape, other strides
         assert prog.entry(x) is MISS
+
+
+class _Halves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) * (0.5 if self.training else 1.0)
+
+
+@pytest.mark.parametrize(
+    "model,guarded",
+    [
+        (mlp(), []),  # Linear and ReLU never read their flag; Sequential only loops
+        (nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)).eval(), ["1"]),  # the dropout was decided on
+        (_Halves().eval(), [""]),  # its forward was inlined: it may branch on the flag
+    ],
+    ids=["mlp", "dropout", "custom-forward"],
+)
+def test_the_entry_checks_only_the_training_flags_the_program_depends_on(model, guarded):
+    compiled, prog = compiled_for(model, torch.randn(4, 16))
+    names = {id(m): name for name, m in model.named_modules()}
+    assert [names[id(m)] for m in prog.flag_modules] == guarded
 
 
 def test_specialised_python_arguments_are_checked_natively():
