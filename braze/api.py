@@ -153,7 +153,7 @@ class CompiledModule:
         self.cache_size = config.cache_size if cache_size is None else cache_size
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._captured: capture.Captured | None = None
-        self._captured_flags: tuple[bool, ...] = ()  # the modules' training flags it was traced with
+        self._captured_state: tuple = ()  # the state it was traced in (see _trace_state)
         self._dynamo: Callable[..., Any] | None = None
         self._epoch = epoch[0]
         self._lock = threading.Lock()
@@ -196,7 +196,7 @@ class CompiledModule:
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
         try:
-            key = _signature(args) + tuple(m.training for m in self._modules)
+            key = _signature(args) + self._trace_state()
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):
@@ -287,8 +287,7 @@ class CompiledModule:
 
     def _build(self, args: tuple) -> Any:
         t0 = time.perf_counter()
-        flags = tuple(m.training for m in self._modules)
-        if self._captured is None or self._captured_flags != flags:  # forward may branch on them
+        if self._captured is None or self._captured_state != self._trace_state():
             try:
                 self.use_capture(capture.trace(self.fn, len(args)))
             except capture.CaptureError as e:
@@ -312,7 +311,13 @@ class CompiledModule:
     def use_capture(self, captured: capture.Captured) -> None:
         """Compile from `captured`, a graph of the model with its modules' flags as they are now."""
         self._captured = captured
-        self._captured_flags = tuple(m.training for m in self._modules)
+        self._captured_state = self._trace_state()
+
+    def _trace_state(self) -> tuple:
+        """What a traced graph may have baked in besides the model: forward may branch on the
+        modules' training flags, and tensors it makes without inputs (torch.ones(3)) become
+        constants of the default dtype."""
+        return (*(m.training for m in self._modules), torch.get_default_dtype())
 
     def programs(self) -> list[Program]:
         """The compiled specialisations this wrapper holds, oldest first."""

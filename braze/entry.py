@@ -38,6 +38,7 @@ import torch
 from .codegen import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, counted_loop
 from .ir import TensorMeta
 from .jit import (
+    DEFAULT_DTYPE,
     FN_MODE,
     KEYSET_OFFSET,
     REQUIRES_GRAD,
@@ -46,6 +47,7 @@ from .jit import (
     TLS_GUARD_END,
     WRAP,
     compile_module,
+    default_dtype,
     define_symbols,
     dispatch_keys,
     shim_constant,
@@ -87,7 +89,7 @@ class EntrySpec:
 
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
-    "n_consts const_pos const_types const_values tls_included tls_excluded n_tensors tensors "
+    "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype n_tensors tensors "
     "n_outputs outputs tuple_output n_scratch scratch scratch_total n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
@@ -136,6 +138,7 @@ class Descriptor:
         included, excluded = tls_dispatch_words()
         self.set("tls_included", included)
         self.set("tls_excluded", excluded)
+        self.set("default_dtype", default_dtype())  # factories inside the model follow it
         for i, t in enumerate(tensors):
             self.tensors[i * len(TENSOR_WORDS) + TENSOR_WORDS.index("keys")] = dispatch_keys(t)
 
@@ -313,6 +316,8 @@ class _Runtime:
             self._check_training(b, d, i, require)
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
+        dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)
+        require(b.icmp_signed("==", dtype, f("default_dtype")))
         self._python_body(b, d, args, nargs)
         b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)

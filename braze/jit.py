@@ -34,6 +34,7 @@ KEYSET_OFFSET = 168
 WRAP = "_Z16THPVariable_WrapON2at10TensorBaseE"  # THPVariable_Wrap(at::TensorBase&&): a Python tensor
 REQUIRES_GRAD = "_ZNK3c1010TensorImpl13requires_gradEv"  # TensorImpl::requires_grad() const
 FN_MODE = "_ZN2at4impl27torch_function_mode_enabledEv"  # a TorchFunctionMode is active
+DEFAULT_DTYPE = "_ZN3c1031get_default_dtype_as_scalartypeEv"  # torch.get_default_dtype(), a ScalarType
 # ExcludeDispatchKeyGuard(DispatchKeySet) and its destructor. Constructed with the empty set it
 # changes nothing, and its first member then points at this thread's dispatch state
 # (c10::impl::PODLocalDispatchKeySet: the included and the excluded keys, one word each).
@@ -89,7 +90,11 @@ def _bind_symbols() -> None:
     for name in _SHIM:
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
-    for lib, name in ((cpu, FN_MODE), (_torch_lib("libc10.so"), REQUIRES_GRAD)):
+    for lib, name in (
+        (cpu, FN_MODE),
+        (_torch_lib("libc10.so"), REQUIRES_GRAD),
+        (_torch_lib("libc10.so"), DEFAULT_DTYPE),
+    ):
         llvm.add_symbol(name, _address(lib, name))
     for name in (TLS_GUARD, TLS_GUARD_END):
         llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))
@@ -114,6 +119,11 @@ def _check_tensor_layout(cpu: ctypes.CDLL) -> None:
         or any(dispatch_keys(t) != torch._C._dispatch_keys(t).raw_repr() for t in probes)
     ):
         raise RuntimeError(f"braze: torch {torch.__version__} lays out tensor objects differently; braze needs 2.13")
+
+
+def default_dtype() -> int:
+    """torch.get_default_dtype() as native code reads it."""
+    return ctypes.c_int8(getattr(_torch_lib("libc10.so"), DEFAULT_DTYPE)()).value
 
 
 def dispatch_keys(t: torch.Tensor) -> int:

@@ -319,6 +319,24 @@ def test_a_submodule_switched_to_train_is_seen(flip):
     check_model(model, (x,), compiled=compiled)
 
 
+def test_the_default_dtype_of_tensors_made_inside_forward_is_followed():
+    # FX bakes torch.ones(3) into the graph as a constant of the default dtype at trace time.
+    def f(x):
+        return x + torch.ones(3) * 2
+
+    compiled = braze.compile(f)
+    x = torch.randn(3)
+    check_model(f, (x,), compiled=compiled)
+    torch.set_default_dtype(torch.float64)
+    try:
+        for _ in range(2):
+            check_model(f, (x,), compiled=compiled)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for _ in range(2):
+        check_model(f, (x,), compiled=compiled)
+
+
 @pytest.mark.parametrize(
     "model,rows",
     [
