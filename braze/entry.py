@@ -10,9 +10,10 @@ Every program has two CPython-callable native functions:
   allocator, releases the GIL around the kernels and wraps the outputs as Python tensors); else
   by calling the program's generated Python body, which makes the ATen calls.
 
-Both are the same two functions for every program, `braze_entry` and `braze_body`, built once per
-process (when braze is imported); a program passes them its Descriptor: what to check and what to run, as data. A
-program's own module holds only its kernels and two trampolines that pass its descriptor.
+Both are the same two functions for every program, `braze_entry` and `braze_body` (which share
+`braze_run`), built once per process (when braze is imported); a program passes them its
+Descriptor: what to check and what to run, as data. A program's own module holds only its
+kernels and two trampolines that pass its descriptor.
 
 The guard checks, for every tensor argument and every parameter native code reads: its type, its
 dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
@@ -60,7 +61,7 @@ PY_EQ = 2
 
 @dataclass(frozen=True)
 class TensorCheck:
-    """One tensor the entry checks: an argument (`pos`) or a parameter (`param`)."""
+    """One tensor the entry checks: an argument (at `pos`) or a parameter (`pos` is -1)."""
 
     example: torch.Tensor  # the tensor as compiled (for a parameter, the parameter itself)
     pos: int  # argument position, or -1 for a parameter
