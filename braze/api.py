@@ -158,6 +158,7 @@ class CompiledModule:
         self._epoch = epoch[0]
         self._lock = threading.Lock()
         self._said: set[str] = set()
+        self._restaled: set[tuple] = set()  # signatures whose program went stale once
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._modules: tuple[torch.nn.Module, ...] = ()
         self._params: list[torch.nn.Parameter] = []
@@ -206,6 +207,13 @@ class CompiledModule:
         if self._epoch != epoch[0]:
             self._reset()
         prog = self._cache.get(key)
+        if isinstance(prog, Program) and prog.stale:  # an ATen call inside changed its layout
+            del self._cache[key]
+            if key in self._restaled:  # twice: its layouts change from call to call
+                self._cache[key] = _EAGER
+                return self._eager("an ATen call inside returns layouts that change between calls", args, {})
+            self._restaled.add(key)
+            prog = None
         if prog is None:
             prog = self._compile(key, args)
         if prog is _EAGER:

@@ -163,6 +163,10 @@ class Descriptor:
     def set(self, name: str, value: int) -> None:
         self.words[W[name]] = value
 
+    @property
+    def on_miss(self) -> Any:
+        return self._objects["on_miss"]
+
     def set_object(self, name: str, obj: Any) -> None:
         """Point word `name` at a Python object (None reads as NULL)."""
         self._objects[name] = obj

@@ -148,6 +148,7 @@ class Program:
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
         self._param_layouts = [_param_layout(p) for p in self.params]
+        self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
         self.externs = lowered.externs
         self.timings = list(timings)
@@ -176,6 +177,13 @@ class Program:
             return False
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return True
+
+    def _went_stale(self, *args: Any) -> Any:
+        """An ATen call inside returned another layout than when compiled (a module's setting
+        changed, or the op's output shape depends on the data): hand the call back to the
+        wrapper, which compiles again or runs eagerly."""
+        self.stale = True
+        return self._descriptor.on_miss(*args)
 
     def bind(self, on_miss: Any) -> None:
         """Where `entry` sends the calls it was not compiled for."""
@@ -279,7 +287,8 @@ class Program:
         ns.update({f"_p{i}": p for i, p in enumerate(self.params)})
         ns["_spec"] = lowered.out_spec
         ns["_unflatten"] = pytree.tree_unflatten
-        ns["_check"] = _check_extern_result
+        ns["_relaid"] = _relaid
+        ns["_stale"] = self._went_stale
         return ns
 
 
@@ -303,9 +312,9 @@ def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[s
     return {prog.layout.owner[n] for n in names if n in prog.layout.owner}
 
 
-def _check_extern_result(t: Any, shape: tuple, stride: tuple, label: str) -> None:
-    if not isinstance(t, torch.Tensor) or t.shape != shape or t.stride() != stride:
-        raise RuntimeError(f"braze: {label} returned a layout the compiled program did not expect")
+def _relaid(t: Any, shape: tuple, stride: tuple, dtype: torch.dtype) -> bool:
+    """An ATen result that native code is about to read is not laid out as when compiled."""
+    return not isinstance(t, torch.Tensor) or t.shape != shape or t.stride() != stride or t.dtype != dtype
 
 
 @dataclass
@@ -432,7 +441,8 @@ class _RunnerWriter:
             self.expr[n.name] = n.name
         if n.name in self.prog.layout.slot and n.name in self.reads:
             m = n.meta
-            self.lines.append(f"    _check({n.name}, {m.shape}, {m.stride}, {n.attrs['label']!r})")
+            dtype, args = self.const(m.dtype), ", ".join(f"a{i}" for i in range(self.lowered.n_args))
+            self.lines.append(f"    if _relaid({n.name}, {m.shape}, {m.stride}, {dtype}): return _stale({args})")
             self.lines.append(f"    t[{self.prog.layout.slot[n.name]}] = {n.name}.data_ptr()")
 
     def _outputs(self) -> str:

@@ -440,6 +440,30 @@ def test_unknown_modules_run_through_aten_inside_the_program():
     assert prog.kernel_count == 2 and len(prog.externs) == 3
 
 
+def test_an_aten_call_whose_layout_changes_is_compiled_again():
+    # Upsample's output shape follows an attribute no guard sees; eager just follows it.
+    model = nn.Sequential(nn.Upsample(scale_factor=2), nn.ReLU()).eval()
+    compiled = braze.compile(model)
+    x = torch.randn(1, 2, 4)
+    for _ in range(2):
+        check_model(model, (x,), compiled=compiled)
+    model[0].scale_factor = 3.0
+    for _ in range(2):
+        check_model(model, (x,), compiled=compiled)
+    assert len(compiled.programs()) == 1 and compiled.programs()[0].kernel_count == 1
+
+
+def test_an_aten_call_with_data_dependent_shapes_runs_eagerly():
+    def positive_doubled(x):
+        return (x[x > 0] * 2).relu()
+
+    compiled = braze.compile(positive_doubled)
+    with pytest.warns(braze.BrazeWarning, match="layouts that change"):
+        for seed in range(4):
+            x = torch.randn(16, generator=torch.Generator().manual_seed(seed))
+            check_model(positive_doubled, (x,), compiled=compiled, fallback=True)
+
+
 def test_explain_reports_every_stage():
     report = braze.explain(lesson(), torch.randn(32, 64))
     for section in [
