@@ -59,9 +59,12 @@ class BrazeWarning(UserWarning):
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _keys = torch._C._dispatch_keys
-# A dense CPU tensor's dispatch keys, and those the thread includes when nothing is active.
-_PLAIN_KEYS = _keys(torch.empty(0)).raw_repr()
-_DEFAULT_INCLUDED = torch._C._dispatch_tls_local_include_set().raw_repr()
+# A dense CPU tensor's dispatch keys (made outside inference mode: it has them all), and those a
+# thread includes when nothing is active; whatever state braze is imported in.
+with torch.inference_mode(False):
+    _PLAIN_KEYS = _keys(torch.empty(0)).raw_repr()
+_KEY = torch._C.DispatchKey
+_DEFAULT_INCLUDED = torch._C.DispatchKeySet(_KEY.BackendSelect).add(_KEY.ADInplaceOrView).raw_repr()
 
 
 def _within(keys: Any, allowed: int) -> bool:
@@ -85,7 +88,7 @@ def _plain_cpu(t: torch.Tensor) -> bool:
     """A dense CPU tensor whose bytes are its values: no lazy negation or conjugation, no
     functorch wrapper (vmap, grad, functionalize), not sparse, nested or on another device."""
     keys = _keys(t)
-    return type(t) in _PLAIN and keys.has(torch._C.DispatchKey.CPU) and _within(keys, _PLAIN_KEYS)
+    return type(t) in _PLAIN and keys.has(_KEY.CPU) and _within(keys, _PLAIN_KEYS)
 
 
 def _unusual_state() -> str:

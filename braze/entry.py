@@ -127,7 +127,7 @@ class Descriptor:
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
         records = [w for t in spec.tensors for w in self._tensor(t)]
-        self.tensors = _words(records)  # rearm rewrites the dispatch keys of arguments
+        self.tensors = _words(records)  # set_dispatch_state rewrites their dispatch keys
         self._keep.append(self.tensors)
         self.set("tensors", ctypes.addressof(self.tensors))
         self.set("n_tensors", len(spec.tensors))

@@ -90,13 +90,8 @@ def _bind_symbols() -> None:
     for name in _SHIM:
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
-    for lib, name in (
-        (cpu, FN_MODE),
-        (_torch_lib("libc10.so"), REQUIRES_GRAD),
-        (_torch_lib("libc10.so"), DEFAULT_DTYPE),
-    ):
-        llvm.add_symbol(name, _address(lib, name))
-    for name in (TLS_GUARD, TLS_GUARD_END):
+    llvm.add_symbol(FN_MODE, _address(cpu, FN_MODE))
+    for name in (REQUIRES_GRAD, DEFAULT_DTYPE, TLS_GUARD, TLS_GUARD_END):
         llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))
     for name in ("aligned_alloc", "free"):
         llvm.add_symbol(name, _address(libc, name))

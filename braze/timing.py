@@ -57,8 +57,8 @@ def compare(fns: dict[str, Callable[..., Any]], args: tuple, rounds: int = 15, s
 def blas_only(prog: Any) -> dict[str, Callable[..., Any]]:
     """Two callables to time beside the program, ignoring their arguments: `blas` makes the
     program's sgemm_ calls alone, with the same arguments, through ctypes; `ctypes` makes an empty
-    native call the same way. Per round, `braze - (blas - ctypes)` is everything braze adds to
-    the BLAS calls: the guard, allocation, pointer set-up, loops, the call from Python.
+    native call the same way. `braze - (blas - ctypes)` (see overhead_us) is everything braze
+    adds to the BLAS calls: the guard, allocation, pointer set-up, loops, the call from Python.
 
     Built from the program's own GEMM nodes with bias and epilogue removed, run on buffers of
     the program's sizes. Empty when the program makes no GEMM.
