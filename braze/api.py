@@ -211,7 +211,7 @@ class CompiledModule:
             self._reset()
         prog = self._cache.get(key)
         if isinstance(prog, Program) and prog.stale:  # an ATen call inside changed its layout
-            del self._cache[key]
+            self._cache.pop(key, None)  # another thread may have dropped it already
             if key in self._restaled:  # twice: its layouts change from call to call
                 self._cache[key] = _EAGER
                 return self._eager("an ATen call inside returns layouts that change between calls", args, {})
