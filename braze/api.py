@@ -15,6 +15,8 @@ import ctypes
 import functools
 import gc
 import inspect
+import os
+import sys
 import threading
 import time
 import warnings
@@ -55,6 +57,18 @@ with contextlib.suppress(Exception):
 
 class BrazeWarning(UserWarning):
     pass
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside braze: the user's call (reached through the
+    native entry or not), so a warning names the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -274,7 +288,8 @@ class CompiledModule:
     def _say(self, why: str) -> None:
         if why not in self._said:
             self._said.add(why)
-            warnings.warn(f"braze: running {capture._name(self.fn)} eagerly: {why}", BrazeWarning, stacklevel=4)
+            message = f"braze: running {capture._name(self.fn)} eagerly: {why}"
+            warnings.warn(message, BrazeWarning, stacklevel=_caller_level())
 
     def _eager(self, why: str, args: Any, kwargs: dict) -> Any:
         self._say(why)

@@ -156,6 +156,19 @@ def test_grad_mode_runs_eagerly_and_keeps_autograd():
         check_model(model, (x,), compiled=compiled, kernels=2)
 
 
+def test_a_fallback_warning_names_the_callers_line():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        compiled(x), compiled(x)  # the second call goes through the native entry
+        with torch.autocast("cpu"), pytest.warns(braze.BrazeWarning, match="autocast") as seen:
+            compiled(x)
+    with pytest.warns(braze.BrazeWarning, match="gradients") as seen_grad:
+        braze.compile(lesson())(x)
+    assert [w.filename for w in (*seen, *seen_grad)] == [__file__, __file__]
+
+
 def test_inference_mode_compiles():
     model = lesson()
     compiled = braze.compile(model)
