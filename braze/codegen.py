@@ -73,6 +73,8 @@ class ModuleBuilder:
         for k in seg.kernels:
             if k.op is Op.GEMM:
                 self._gemm(b, table, k)
+            elif k.op is Op.BMM:
+                self._bmm(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -158,34 +160,72 @@ class ModuleBuilder:
         self, b: ll.IRBuilder, table: ll.Value, blas: dict, m1: Access, m2: Access, c: Access, beta: float
     ) -> None:
         a, bm = (m2, m1) if blas["swap"] else (m1, m2)
-
-        def ptr_of(acc: Access) -> ll.Value:
-            base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
-            return b.gep(base, [I64(acc.meta.offset)], source_etype=F32)
-
-        def ref(ty: ll.Type, v: ll.Constant) -> ll.Value:  # Fortran passes scalars by reference
-            with b.goto_entry_block():
-                slot = b.alloca(ty)
-            b.store(v, slot)
-            return slot
-
         t = lambda flag: I8(ord("T" if flag else "N"))  # noqa: E731
         args = [
-            ref(I8, t(blas["ta"])),
-            ref(I8, t(blas["tb"])),
-            ref(I32, I32(blas["m"])),
-            ref(I32, I32(blas["n"])),
-            ref(I32, I32(blas["k"])),
-            ref(F32, F32(1.0)),
-            ptr_of(a),
-            ref(I32, I32(blas["lda"])),
-            ptr_of(bm),
-            ref(I32, I32(blas["ldb"])),
-            ref(F32, F32(beta)),
-            ptr_of(c),
-            ref(I32, I32(blas["ldc"])),
+            _ref(b, I8, t(blas["ta"])),
+            _ref(b, I8, t(blas["tb"])),
+            *(_ref(b, I32, I32(blas[d])) for d in "mnk"),
+            _ref(b, F32, F32(1.0)),
+            _pointer(b, table, a),
+            _ref(b, I32, I32(blas["lda"])),
+            _pointer(b, table, bm),
+            _ref(b, I32, I32(blas["ldb"])),
+            _ref(b, F32, F32(beta)),
+            _pointer(b, table, c),
+            _ref(b, I32, I32(blas["ldc"])),
         ]
         b.call(self.declare("sgemm_", VOID, [PTR] * 13), args)
+
+    # --- BMM ---------------------------------------------------------------------------------
+    def _bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """ATen's bmm for float32 (see lowering.bmm_blas_args): one cblas_sgemm_batch call, one
+        group, with per-matrix pointers (batch2's as A, batch1's as B: column-major BLAS)."""
+        blas = k.attrs["blas"]
+        batch, c = blas["batch"], self.slot_of(k.name)
+        strides = {"a": blas["stride_a"], "b": blas["stride_b"], "c": c.meta.stride[0]}
+        arrays = {}
+        for name, acc in (("a", self.slot_of(k.inputs[1])), ("b", self.slot_of(k.inputs[0])), ("c", c)):
+            with b.goto_entry_block():
+                arrays[name] = b.alloca(PTR, size=I64(batch))
+            first = _pointer(b, table, acc)
+            with counted_loop(b, I64(0), I64(batch)) as i:
+                matrix = b.gep(first, [b.mul(i, I64(strides[name]))], source_etype=F32)
+                b.store(matrix, b.gep(arrays[name], [i], source_etype=PTR))
+        trans = lambda flag: I32(CBLAS_TRANS if flag else CBLAS_NO_TRANS)  # noqa: E731
+        args = [
+            I32(CBLAS_COL_MAJOR),
+            _ref(b, I32, trans(blas["ta"])),
+            _ref(b, I32, trans(blas["tb"])),
+            *(_ref(b, I32, I32(blas[d])) for d in "mnk"),
+            _ref(b, F32, F32(1.0)),
+            arrays["a"],
+            _ref(b, I32, I32(blas["lda"])),
+            arrays["b"],
+            _ref(b, I32, I32(blas["ldb"])),
+            _ref(b, F32, F32(0.0)),
+            arrays["c"],
+            _ref(b, I32, I32(blas["ldc"])),
+            I32(1),  # one group of `batch` matrices
+            _ref(b, I32, I32(batch)),
+        ]
+        b.call(self.declare("cblas_sgemm_batch", VOID, [I32] + [PTR] * 13 + [I32, PTR]), args)
+
+
+CBLAS_COL_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 102, 111, 112
+
+
+def _pointer(b: ll.IRBuilder, table: ll.Value, acc: Access) -> ll.Value:
+    """The address of an access's first element."""
+    base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
+    return b.gep(base, [I64(acc.meta.offset)], source_etype=F32)
+
+
+def _ref(b: ll.IRBuilder, ty: ll.Type, v: ll.Constant) -> ll.Value:
+    """A scalar passed by reference (BLAS's Fortran and array-of-groups interfaces)."""
+    with b.goto_entry_block():
+        slot = b.alloca(ty)
+    b.store(v, slot)
+    return slot
 
 
 def _dtype_of(operands: dict[str, Access], name: str) -> bool:

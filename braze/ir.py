@@ -35,6 +35,7 @@ class Op(enum.Enum):
     MINIMUM = "minimum"
     WHERE = "where"  # inputs: cond (bool), a, b
     GEMM = "gemm"  # out = beta * bias + a @ b through BLAS sgemm_, as ATen's addmm/mm
+    BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -43,7 +44,7 @@ UNARY = frozenset({Op.NEG, Op.ABS, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
-KERNELS = frozenset({Op.FUSED, Op.GEMM}) | ELEMENTWISE
+KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM}) | ELEMENTWISE
 
 # An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
 Operand = str | float | None

@@ -81,7 +81,8 @@ def _address(lib: Any, name: str) -> int:
 
 def _bind_symbols() -> None:
     cpu, libc = _torch_lib("libtorch_cpu.so"), ctypes.CDLL(None)
-    llvm.add_symbol("sgemm_", _address(cpu, "sgemm_"))
+    for name in ("sgemm_", "cblas_sgemm_batch"):
+        llvm.add_symbol(name, _address(cpu, name))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"):
         llvm.add_symbol(name, _address(gomp, name))

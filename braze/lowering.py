@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from . import config
 from .capture import Captured
-from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape
+from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape, contiguous_strides
 
 
 class Unsupported(Exception):
@@ -452,7 +452,12 @@ def blas_args(c: TensorMeta, m1: TensorMeta, m2: TensorMeta) -> dict[str, Any] |
     lda = a.stride[1 if ta == swap else 0]
     ldb = b.stride[1 if tb == swap else 0]
     ldc = c.stride[0 if swap else 1]
-    # cpublas::normalize_last_dims
+    args = _blas_call(ta, tb, m, n, k, lda, ldb, ldc)
+    return None if args is None else dict(swap=swap, **args)
+
+
+def _blas_call(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, ldc: int) -> dict[str, Any] | None:
+    """cpublas's normalize_last_dims, then its use_blas_gemm test (None: ATen does not call BLAS)."""
     if n == 1:
         ldc = m
     if ta:
@@ -466,9 +471,39 @@ def blas_args(c: TensorMeta, m1: TensorMeta, m2: TensorMeta) -> dict[str, Any] |
     big = 2**31 - 1
     ok = max(m, n, k, lda, ldb, ldc) <= big and lda >= max(1, k if ta else m)
     ok = ok and ldb >= max(1, n if tb else k) and ldc >= max(1, m)
-    if not ok:
+    return dict(ta=ta, tb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc) if ok else None
+
+
+def _ieee_matmul() -> bool:
+    """Float32 matmuls in full precision: oneDNN's own setting, or the global one it inherits."""
+    own = torch.backends.mkldnn.matmul.fp32_precision
+    return own == "ieee" or (own == "none" and torch.backends.fp32_precision in ("none", "ieee"))
+
+
+def bmm_blas_args(c: TensorMeta, b1: TensorMeta, b2: TensorMeta) -> dict[str, Any] | None:
+    """The cblas_sgemm_batch call ATen's bmm makes for these layouts (LinearAlgebra.cpp:
+    bmm_out_or_baddbmm_, baddbmm_with_gemm_), or None where it takes another path: its own loop
+    below 400 multiply-adds a matrix, per-matrix addmm for other layouts, sgemm_ for one matrix,
+    oneDNN when the float32 matmul precision is not the default."""
+    (batch, rows, inner), cols = b1.shape, b2.shape[2]
+    if batch < 2 or rows * cols == 0 or inner * rows * cols < 400 or c.stride != contiguous_strides(c.shape):
         return None
-    return dict(swap=swap, ta=ta, tb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc)
+    if not _ieee_matmul():
+        return None
+
+    def items(t: TensorMeta) -> bool:  # each matrix contiguous or transposed
+        (_, r, q), (_, sr, sq) = t.shape, t.stride
+        return (sq == 1 and (r == 1 or sr >= q)) or (sr == 1 and (q == 1 or sq >= r))
+
+    def transposed(t: TensorMeta) -> bool:
+        return t.stride[1] == 1 and t.stride[2] >= t.shape[1]
+
+    if not (items(b1) and items(b2)):
+        return None
+    ta, tb = transposed(b2), transposed(b1)  # column-major BLAS: A is batch2, B is batch1
+    lda, ldb = b2.stride[2 if ta else 1], b1.stride[2 if tb else 1]
+    args = _blas_call(ta, tb, cols, rows, inner, lda, ldb, c.stride[1])
+    return None if args is None else dict(batch=batch, stride_a=b2.stride[0], stride_b=b1.stride[0], **args)
 
 
 def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
@@ -538,6 +573,18 @@ for _k in (torch.mm, "mm", torch.matmul, operator.matmul, "matmul", "__matmul__"
     META_RULES[_k] = _mm_rule
 for _k in (torch.addmm, "addmm"):
     META_RULES[_k] = _addmm_rule
+
+
+def _bmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    _no_out(kwargs)
+    b1, b2 = args[0], args[1] if len(args) > 1 else kwargs.get("mat2")
+    for t in (b1, b2):
+        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 and t.meta.dim() == 3):
+            raise NotNative("bmm operands must be 3-D float32 tensors")
+    args = bmm_blas_args(TensorMeta.of(out), TensorMeta.of(b1.meta), TensorMeta.of(b2.meta))
+    if args is None:
+        raise NotNative("a bmm ATen computes without MKL's batched GEMM")
+    return lw.emit(Op.BMM, (b1.name, b2.name), out, blas=args)
 
 
 def _linear_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
@@ -655,6 +702,7 @@ def _rows() -> None:
     register(nn.Flatten, nn.Unflatten)(_view_op)
     register(operator.getitem, "__getitem__")(_getitem)
     register(F.linear, nn.Linear)(_linear)
+    register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)
     register(torch.mm, "mm")(_mm)
     register(torch.matmul, operator.matmul, "matmul", "__matmul__")(_matmul)

@@ -273,8 +273,8 @@ class Program:
 
     def _flops(self) -> int:
         """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element."""
-        gemms = [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op is Op.GEMM]
-        return 2 * sum(g["m"] * g["n"] * g["k"] for g in gemms) + self._loop_work()
+        gemms = [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
+        return 2 * sum(g.get("batch", 1) * g["m"] * g["n"] * g["k"] for g in gemms) + self._loop_work()
 
     def _loop_work(self) -> int:
         """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""

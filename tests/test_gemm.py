@@ -72,5 +72,35 @@ def test_thread_counts_match_eager():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             check_model(lambda x: F.linear(x, w, b).relu(), (torch.randn(129, 257),), kernels=1)
+            check_model(torch.bmm, (torch.randn(6, 65, 257), torch.randn(6, 257, 33)), kernels=1)
     finally:
         torch.set_num_threads(before)
+
+
+def _batch(b: int, r: int, c: int, transposed: bool) -> torch.Tensor:
+    return torch.randn(b, c, r).transpose(1, 2) if transposed else torch.randn(b, r, c)
+
+
+@pytest.mark.parametrize("batch,m,k,n", [(2, 7, 33, 5), (4, 8, 16, 6), (3, 1, 257, 10), (5, 33, 64, 1), (12, 7, 64, 7)])
+@pytest.mark.parametrize("a_t,b_t", [(False, False), (True, False), (False, True), (True, True)])
+def test_bmm_is_mkls_batched_gemm_as_aten_calls_it(batch, m, k, n, a_t, b_t):
+    # ATen's bmm calls cblas_sgemm_batch for these (checked under gdb): braze makes the same call.
+    a, b = _batch(batch, m, k, a_t), _batch(batch, k, n, b_t)
+    compiled = check_model(torch.bmm, (a, b), kernels=1, externs=0)
+    assert [k.op.value for s in compiled.programs()[0].segments for k in s.kernels] == ["bmm"]
+    check_model(lambda x, y: (x.bmm(y) * 2).relu(), (a, b), kernels=2, externs=0)
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        (torch.randn(3, 2, 3), torch.randn(3, 3, 2)),  # under 400 multiply-adds: ATen's own loop
+        (torch.randn(1, 8, 64), torch.randn(1, 64, 8)),  # one matrix: ATen calls sgemm_
+        (torch.randn(2, 8, 128)[:, :, ::2], torch.randn(2, 64, 8)),  # strided matrices: addmm each
+        (torch.randn(2, 0, 8), torch.randn(2, 8, 4)),  # empty
+        (torch.randn(2, 8, 0), torch.randn(2, 0, 4)),  # K = 0: zeros
+    ],
+    ids=["small", "one", "strided", "empty", "k0"],
+)
+def test_bmm_aten_computes_otherwise_runs_through_aten(a, b):
+    check_model(torch.bmm, (a, b))
