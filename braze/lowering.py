@@ -722,9 +722,15 @@ def _hardtanh_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> 
 
 def _matmul(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     a, b = args[0], args[1]
-    if all(isinstance(t, Sym) and t.is_tensor and t.meta.dim() == 2 for t in (a, b)):
+    tensors = all(isinstance(t, Sym) and t.is_tensor for t in (a, b))
+    if tensors and a.meta.dim() == b.meta.dim() == 2:
         return _mm(lw, fn, args, kwargs, out)  # 2-D @ 2-D is at::mm in ATen's matmul
-    raise NotNative("matmul that is not 2-D @ 2-D")
+    if tensors and a.meta.dim() == b.meta.dim() == 3 and a.meta.shape[0] == b.meta.shape[0]:
+        # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(shape), which may
+        # give size-1 dimensions other strides (and so other BLAS arguments): take its layouts.
+        a, b = (lw.view(t, lambda e: e.expand(e.shape).reshape(e.shape)) for t in (a, b))
+        return _bmm(lw, fn, (a, b), kwargs, out)
+    raise NotNative("matmul that is neither 2-D @ 2-D nor 3-D @ 3-D with equal batches")
 
 
 _rows()

@@ -81,7 +81,10 @@ def _batch(b: int, r: int, c: int, transposed: bool) -> torch.Tensor:
     return torch.randn(b, c, r).transpose(1, 2) if transposed else torch.randn(b, r, c)
 
 
-@pytest.mark.parametrize("batch,m,k,n", [(2, 7, 33, 5), (4, 8, 16, 6), (3, 1, 257, 10), (5, 33, 64, 1), (12, 7, 64, 7)])
+@pytest.mark.parametrize(
+    "batch,m,k,n",
+    [(2, 7, 33, 5), (4, 8, 16, 6), (3, 1, 257, 10), (5, 33, 64, 1), (12, 7, 64, 7), (2, 20, 1, 30), (3, 1, 512, 1)],
+)
 @pytest.mark.parametrize("a_t,b_t", [(False, False), (True, False), (False, True), (True, True)])
 def test_bmm_is_mkls_batched_gemm_as_aten_calls_it(batch, m, k, n, a_t, b_t):
     # ATen's bmm calls cblas_sgemm_batch for these (checked under gdb): braze makes the same call.
@@ -89,6 +92,7 @@ def test_bmm_is_mkls_batched_gemm_as_aten_calls_it(batch, m, k, n, a_t, b_t):
     compiled = check_model(torch.bmm, (a, b), kernels=1, externs=0)
     assert [k.op.value for s in compiled.programs()[0].segments for k in s.kernels] == ["bmm"]
     check_model(lambda x, y: (x.bmm(y) * 2).relu(), (a, b), kernels=2, externs=0)
+    check_model(lambda x, y: x @ y, (a, b), kernels=1, externs=0)  # matmul, equal batches: bmm
 
 
 @pytest.mark.parametrize(
@@ -104,3 +108,8 @@ def test_bmm_is_mkls_batched_gemm_as_aten_calls_it(batch, m, k, n, a_t, b_t):
 )
 def test_bmm_aten_computes_otherwise_runs_through_aten(a, b):
     check_model(torch.bmm, (a, b))
+    check_model(torch.matmul, (a, b))
+
+
+def test_batched_matmul_that_broadcasts_runs_through_aten():
+    check_model(torch.matmul, (torch.randn(4, 8, 16), torch.randn(1, 16, 6)), externs=1)
