@@ -127,10 +127,8 @@ class Descriptor:
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
         records = [w for t in spec.tensors for w in self._tensor(t)]
-        self.tensors = _words(records)  # set_dispatch_state rewrites their dispatch keys
-        self._keep.append(self.tensors)
-        self.set("tensors", ctypes.addressof(self.tensors))
-        self.set("n_tensors", len(spec.tensors))
+        # set_dispatch_state rewrites their dispatch keys
+        self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
         self.set_dispatch_state([t.example for t in spec.tensors])
 
     def set_dispatch_state(self, tensors: list[torch.Tensor]) -> None:
@@ -177,13 +175,19 @@ class Descriptor:
         return id(obj)
 
     def _array(self, values: list[int]) -> int:
+        return ctypes.addressof(self._kept(values))
+
+    def _kept(self, values: list[int]) -> Any:
         arr = _words(values)
         self._keep.append(arr)
-        return ctypes.addressof(arr)
+        return arr
 
-    def _set_array(self, name: str, count: str, values: list[int], n: int | None = None) -> None:
-        self.set(name, self._array(values))
+    def _set_array(self, name: str, count: str, values: list[int], n: int | None = None) -> Any:
+        """Point word `name` at a kept array of `values` and set `count`; return the array."""
+        arr = self._kept(values)
+        self.set(name, ctypes.addressof(arr))
         self.set(count, len(values) if n is None else n)
+        return arr
 
     def _shape(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
         return self._array(list(shape)), self._array(list(stride))
@@ -393,12 +397,12 @@ class _Runtime:
         the table); and, in grad mode, it does not require grad (autograd needs eager)."""
         t = self.record(b, d, "tensors", i, TENSOR_WORDS)
         obj = self._tensor_object(b, args, t)
-        impl = b.load(b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8), typ=PTR)
+        h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)  # the at::Tensor: its first word is the impl
+        impl = b.load(h, typ=PTR)
         with b.if_then(b.icmp_signed("!=", t("layout"), I64(0))):
             require(b.icmp_unsigned("==", b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR), t("type", PTR)))
             keys = b.load(b.gep(impl, [I64(KEYSET_OFFSET)], source_etype=I8), typ=I64)
             require(b.icmp_unsigned("==", keys, t("keys")))
-            h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
             out = self._alloca(b, I64)
             b.store(I64(0), out)  # the getter writes an int32 into it
             b.call(self.mb.declare("aoti_torch_get_dtype", I32, [PTR, PTR]), [h, out])

@@ -349,6 +349,7 @@ class _RunnerWriter:
         self.prog = prog
         self.lowered = lowered
         self.reads = prog.reads
+        self.args = ", ".join(f"a{i}" for i in range(lowered.n_args))  # the body's parameters
         self.lines: list[str] = []
         self.consts: dict[str, Any] = {}
         self.expr: dict[str, str] = {}
@@ -401,8 +402,7 @@ class _RunnerWriter:
             elif n.op is Op.EXTERN:
                 self._extern(n)
         self.lines.append(f"    return {self._outputs()}")
-        args = ", ".join(f"a{i}" for i in range(self.lowered.n_args))
-        return "\n".join([f"def body({args}):", *_free_dead(self.lines)]) + "\n"
+        return "\n".join([f"def body({self.args}):", *_free_dead(self.lines)]) + "\n"
 
     def _segment(self, i: int) -> None:
         """Allocate the outputs segment i writes (as late as this, so ATen's allocations before
@@ -441,8 +441,8 @@ class _RunnerWriter:
             self.expr[n.name] = n.name
         if n.name in self.prog.layout.slot and n.name in self.reads:
             m = n.meta
-            dtype, args = self.const(m.dtype), ", ".join(f"a{i}" for i in range(self.lowered.n_args))
-            self.lines.append(f"    if _relaid({n.name}, {m.shape}, {m.stride}, {dtype}): return _stale({args})")
+            dtype = self.const(m.dtype)
+            self.lines.append(f"    if _relaid({n.name}, {m.shape}, {m.stride}, {dtype}): return _stale({self.args})")
             self.lines.append(f"    t[{self.prog.layout.slot[n.name]}] = {n.name}.data_ptr()")
 
     def _outputs(self) -> str:
