@@ -56,3 +56,14 @@ def test_compile_times_are_recorded_per_stage():
     names = [n for n, _ in braze.explain(lambda x: x + 1, torch.randn(3)).program.timings]
     for stage in ("capture", "lower", "pass.fuse_elementwise", "codegen", "llvm.optimize", "llvm.machine_code"):
         assert stage in names
+
+
+def test_in_place_selects_stay_plain_vector_stores():
+    # LLVM turns store(select(c, v, load p), p) into vmaskmovps, microcoded on AMD: an in-place
+    # relu, clamp or where must keep its plain stores, at -O2 too.
+    w, b = torch.randn(64, 64), torch.randn(64)
+    with config.patch(optimize_threshold=0):
+        s = report(lambda x: F.linear(x, w, b).relu(), torch.randn(64, 64))
+    assert "relu" in s["IR after plan_memory"] and "store='out'" in s["IR after plan_memory"]  # in place
+    assert "vmaxps" in s["assembly"]
+    assert "maskmov" not in s["assembly"]
