@@ -38,13 +38,22 @@ class Segment:
 class ModuleBuilder:
     """One LLVM module; `prefix` starts every global name in it (programs share one JIT)."""
 
-    def __init__(self, prefix: str, slot_of: Callable[[str], Access], parallel_threshold: int) -> None:
+    def __init__(
+        self, prefix: str, slot_of: Callable[[str], Access], parallel_threshold: int, blas_clock: bool = False
+    ) -> None:
         self.module = ll.Module(name=prefix)
         self.prefix = prefix
         self.slot_of = slot_of
         self.parallel_threshold = parallel_threshold
         self._decls: dict[str, ll.Function] = {}
         self._used: dict[str, int] = {}
+        self.clock: ll.GlobalVariable | None = None  # cycles spent in BLAS calls (config.blas_clock)
+        if blas_clock:
+            self.clock = ll.GlobalVariable(self.module, I64, f"{prefix}_blas_cycles")
+            self.clock.initializer = I64(0)
+            now = ll.Function(self.module, ll.FunctionType(I64, []), f"{prefix}_cycles")
+            nb = ll.IRBuilder(now.append_basic_block("entry"))
+            nb.ret(self._cycles(nb))
 
     def declare(self, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
         if name not in self._decls:
@@ -54,6 +63,17 @@ class ModuleBuilder:
     def unique(self, base: str) -> str:
         self._used[base] = self._used.get(base, -1) + 1
         return f"{base}{self._used[base]}"
+
+    def _cycles(self, b: ll.IRBuilder) -> ll.Value:
+        return b.call(self.declare("llvm.readcyclecounter", I64, []), [])
+
+    def _blas(self, b: ll.IRBuilder, name: str, types: list[ll.Type], args: list[ll.Value]) -> None:
+        """Call BLAS routine `name`; with the clock on, add the cycles it took to the counter."""
+        start = self._cycles(b) if self.clock is not None else None
+        b.call(self.declare(name, VOID, types), args)
+        if self.clock is not None:
+            took = b.sub(self._cycles(b), start)
+            b.store(b.add(b.load(self.clock, typ=I64), took), self.clock)
 
     def cstring(self, name: str, text: str) -> ll.GlobalVariable:
         """A NUL-terminated string constant (emitted once per name)."""
@@ -176,7 +196,7 @@ class ModuleBuilder:
             _pointer(b, table, c),
             _ref(b, I32, I32(blas["ldc"])),
         ]
-        b.call(self.declare("sgemm_", VOID, [PTR] * 13), args)
+        self._blas(b, "sgemm_", [PTR] * 13, args)
 
     # --- BMM ---------------------------------------------------------------------------------
     def _bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
@@ -210,7 +230,7 @@ class ModuleBuilder:
             I32(1),  # one group of `batch` matrices
             _ref(b, I32, I32(batch)),
         ]
-        b.call(self.declare("cblas_sgemm_batch", VOID, [I32] + [PTR] * 13 + [I32, PTR]), args)
+        self._blas(b, "cblas_sgemm_batch", [I32] + [PTR] * 13 + [I32, PTR], args)
 
 
 CBLAS_COL_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 102, 111, 112

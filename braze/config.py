@@ -36,6 +36,9 @@ parallel_threshold: int = _env_int("BRAZE_PARALLEL_THRESHOLD", 32768)
 release_gil_flops: int = _env_int("BRAZE_RELEASE_GIL_FLOPS", 1 << 20)
 # Set to 1 to skip native code entirely (every op goes through ATen); a debugging aid.
 disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
+# Programs compiled with this set count the CPU cycles their BLAS calls take (timing.split uses
+# it to tell braze's own time per call from its BLAS calls' time). Off: no counting code at all.
+blas_clock: bool = bool(_env_int("BRAZE_BLAS_CLOCK", 0))
 
 # At import, move the objects that exist (torch's own modules and functions, ~165k objects) out of
 # the cyclic garbage collector's reach (gc.freeze), so no first call pays ~100 ms for a full
@@ -52,6 +55,7 @@ _KNOBS = (
     "parallel_threshold",
     "release_gil_flops",
     "disable_native",
+    "blas_clock",
     "gc_freeze",
 )
 

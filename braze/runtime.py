@@ -37,6 +37,7 @@ from .lowering import Lowered, Sym
 MISS = object()  # what an entry returns for a call it was not compiled for, unless told otherwise
 
 _VOID_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_CYCLES_FN = ctypes.CFUNCTYPE(ctypes.c_uint64)
 _serial = itertools.count()
 
 
@@ -159,6 +160,7 @@ class Program:
         self.native = not self.externs and _native_outputs(lowered, fresh)
         self.reads = _native_reads(self)  # owners of the memory native code works on
         self.llvm_ir = self.optimized_ir = self.asm = ""
+        self.blas_clock: tuple[Any, Any] | None = None  # see config.blas_clock
         self._local = threading.local()
         spec = self._spec(lowered, guard, fresh)
         self.entry, self.body = self._build(spec, lowered)
@@ -230,18 +232,21 @@ class Program:
             self.timings.append(("entry runtime (once)", (time.perf_counter() - t0) * 1e3))
             t0 = time.perf_counter()
         prefix = f"braze{next(_serial)}"
-        mb = ModuleBuilder(prefix, self._access, config.parallel_threshold)
+        mb = ModuleBuilder(prefix, self._access, config.parallel_threshold, config.blas_clock)
         segs = [mb.segment(s) for s in self.segments]
         desc_name = entry.emit_trampolines(mb)
+        clock = [f"{prefix}_blas_cycles", f"{prefix}_cycles"] if mb.clock is not None else []
         text = str(mb.module)
         self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
         want = config.debug >= 4 or bool(config.debug_dir) or self._want_text
         level = config.opt_level if self._loop_work() >= config.optimize_threshold else 0
-        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs]
+        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + clock
         compiled = compile_module(text, names, level, want)
         self.timings += compiled.timings
         self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
         addr = compiled.addresses
+        if clock:  # the counter of cycles spent in BLAS calls, and the clock it reads
+            self.blas_clock = (ctypes.c_uint64.from_address(addr[clock[0]]), _CYCLES_FN(addr[clock[1]]))
         python_body, run = None, 0
         self._scratch = _scratch_buffers(self.layout) if self.native else {}
         if self.native:

@@ -5,7 +5,6 @@ Used by `braze demo` and `braze bench`; not part of compiling anything.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -54,50 +53,47 @@ def compare(fns: dict[str, Callable[..., Any]], args: tuple, rounds: int = 15, s
     return out
 
 
-def blas_only(prog: Any) -> dict[str, Callable[..., Any]]:
-    """Two callables to time beside the program, ignoring their arguments: `blas` makes the
-    program's sgemm_ calls alone, with the same arguments, through ctypes; `ctypes` makes an empty
-    native call the same way. `braze - (blas - ctypes)` (see overhead_us) is everything braze
-    adds to the BLAS calls: the guard, allocation, pointer set-up, loops, the call from Python.
+@dataclass
+class Split:
+    """One round of calls of a program, divided: the whole call, and the part in BLAS calls."""
 
-    Built from the program's own GEMM nodes with bias and epilogue removed, run on buffers of
-    the program's sizes. Empty when the program makes no GEMM.
+    call_us: float
+    blas_us: float
+
+    @property
+    def own_us(self) -> float:
+        """Everything but the BLAS calls: guard, allocation, loops, the call from Python."""
+        return self.call_us - self.blas_us
+
+
+def split(fn: Callable[..., Any], args: tuple, rounds: int = 15, seconds: float = 0.05) -> Split | None:
+    """braze's own time per call of `fn` beside its BLAS calls', measured in the same calls.
+
+    `fn` is compiled again with config.blas_clock: its program adds the cycles of the CPU's
+    time-stamp counter spent inside each BLAS call to a counter. A round times `n` calls by the
+    wall clock and by that counter; the BLAS share of the round's cycles is the BLAS share of its
+    time. The fastest round's split is returned (other work on the machine only adds time). The
+    counting itself (two reads of the counter per BLAS call) adds a few nanoseconds to braze's
+    side. None when braze runs `fn` eagerly.
     """
-    import ctypes
+    from . import api, config
 
-    import torch
-
-    from .codegen import ModuleBuilder, Segment
-    from .ir import Op
-    from .jit import compile_module
-    from .runtime import _VOID_FN
-
-    gemms = [n for s in prog.segments for n in s.kernels if n.op is Op.GEMM]
-    if not gemms:
-        return {}
-    bare = [dataclasses.replace(n, inputs=n.inputs[:2] + (None,), attrs={**n.attrs, "body": ()}) for n in gemms]
-    mb = ModuleBuilder("blas_only", prog._access, 1 << 62)
-    names = [mb.segment(Segment("blas", bare)).name, mb.segment(Segment("empty", [])).name]
-    addr = compile_module(str(mb.module), names, 2, False).addresses
-    blas, empty = _VOID_FN(addr[names[0]]), _VOID_FN(addr[names[1]])
-    nbytes: dict[int, int] = {}
-    for n in bare:
-        for v in (n.name, *n.value_inputs()):
-            acc = prog._access(v)
-            nbytes[acc.slot] = max(nbytes.get(acc.slot, 0), (acc.meta.span + 1) * 4)
-    buffers = {slot: torch.randn(nb // 4) for slot, nb in nbytes.items()}
-    table = (ctypes.c_void_p * (max(nbytes) + 1))()
-    for slot, t in buffers.items():
-        table[slot] = t.data_ptr()
-    at = ctypes.addressof(table)
-
-    def call(fn: Any) -> Callable[..., Any]:
-        return lambda *_, keep=(table, buffers): fn(at)  # they live as long as the callable
-
-    return {"blas": call(blas), "ctypes": call(empty)}
-
-
-def overhead_us(r: Comparison, name: str) -> float:
-    """What `name` adds to its BLAS calls (see blas_only), from the fastest round of each: other
-    work on the machine only ever adds time, and the rounds were interleaved."""
-    return r[name].us - (r["blas"].us - r["ctypes"].us)
+    with config.patch(blas_clock=True):
+        clocked = api.compile(fn)
+        clocked(*args)
+    progs = clocked.programs()
+    if not progs or progs[0].blas_clock is None:
+        return None
+    counter, now = progs[0].blas_clock
+    n = max(1, int(seconds / max(_per_call_us(clocked, args, seconds) * 1e-6, 1e-9)))
+    best: Split | None = None
+    for _ in range(rounds):
+        counter.value = 0
+        c0, t0 = now(), time.perf_counter()
+        for _ in range(n):
+            clocked(*args)
+        t1, c1 = time.perf_counter(), now()
+        us = (t1 - t0) / n * 1e6
+        if best is None or us < best.call_us:
+            best = Split(us, us * counter.value / max(c1 - c0, 1))
+    return best
