@@ -194,7 +194,7 @@ class Lowerer:
         args, kwargs = self._load(node.args), self._load(node.kwargs)
         if node.op == "call_module":
             mod = self.captured.root.get_submodule(node.target)
-            return self.call(mod, args, kwargs, key=type(mod), label=node.target)
+            return self.call(mod, args, kwargs, key=type(mod), label=f"{node.target} ({type(mod).__name__})")
         if node.op == "call_method":
             fn = getattr(torch.Tensor, node.target)
             return self.call(fn, args, kwargs, key=node.target, label=f".{node.target}")
