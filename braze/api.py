@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import capture, config, debug, entry
+from . import capture, config, debug, entry, jit
 from .lowering import Unsupported, lower
 from .passes import run_passes
 from .runtime import Guard, Program
@@ -214,7 +214,8 @@ class CompiledModule:
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
         try:
-            key = _signature(args) + self._trace_state()
+            # GEMMs are native only in full float32 matmul precision: a program per precision
+            key = _signature(args) + self._trace_state() + (jit.matmul_precision(),)
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):

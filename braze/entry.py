@@ -19,9 +19,9 @@ The guard checks, for every tensor argument and every parameter native code read
 dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
 dtype, sizes and strides; and the thread's dispatch state (two words: dispatch modes, functorch
 transforms, autocast, inference mode), so that native code runs only where eager would run
-the plain CPU kernels. Tensors are read through ATen's C shim (the `aoti_torch_*` functions of
-libtorch) where it has a getter; a Python tensor object holds its at::Tensor at
-jit.TENSOR_OFFSET.
+the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul precision. Tensors
+are read through ATen's C shim (the `aoti_torch_*` functions of libtorch) where it has a
+getter; a Python tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ from .ir import TensorMeta
 from .jit import (
     DEFAULT_DTYPE,
     FN_MODE,
+    FP32_PRECISION,
+    GLOBAL_CONTEXT,
     KEYSET_OFFSET,
+    MATMUL,
+    MKLDNN,
     REQUIRES_GRAD,
     TENSOR_OFFSET,
     TLS_GUARD,
@@ -79,6 +83,7 @@ class EntrySpec:
     modules: tuple[torch.nn.Module, ...]  # whose `training` flags must stay as compiled
     epoch: Any  # ctypes int64 cell bumped when any module changes structure
     epoch_value: int
+    matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout) allocated per call and returned
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes) of buffers kept across calls
@@ -90,7 +95,8 @@ class EntrySpec:
 
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
-    "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype n_tensors tensors "
+    "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision "
+    "n_tensors tensors "
     "n_outputs outputs tuple_output n_scratch scratch scratch_total n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
@@ -122,6 +128,7 @@ class Descriptor:
         self._set_array("modules", "n_modules", modules, len(spec.modules))
         self.set("epoch", ctypes.addressof(spec.epoch))
         self.set("epoch_value", spec.epoch_value)
+        self.set("matmul_precision", spec.matmul_precision)
         self.set("n_args", spec.n_args)
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
@@ -327,6 +334,7 @@ class _Runtime:
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
         dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)
         require(b.icmp_signed("==", dtype, f("default_dtype")))
+        self._check_matmul_precision(b, d, require)
         self._python_body(b, d, args, nargs)
         b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)
@@ -361,6 +369,14 @@ class _Runtime:
                 b.call(self.decref, [value])  # compared by identity (True, False) only
                 b.store(value, found)
         require(b.icmp_unsigned("==", b.load(found, typ=PTR), m("expected", PTR)))
+
+    def _check_matmul_precision(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
+        """ATen's float32 matmul precision is the one the program's GEMMs were compiled for."""
+        want = self.field(b, d, "matmul_precision")
+        with b.if_then(b.icmp_signed(">=", want, I64(0))):
+            context = b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])
+            have = b.call(self.mb.declare(FP32_PRECISION, I32, [PTR, I32, I32]), [context, I32(MKLDNN), I32(MATMUL)])
+            require(b.icmp_signed("==", b.sext(have, I64), want))
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or

@@ -40,6 +40,13 @@ DEFAULT_DTYPE = "_ZN3c1031get_default_dtype_as_scalartypeEv"  # torch.get_defaul
 # (c10::impl::PODLocalDispatchKeySet: the included and the excluded keys, one word each).
 TLS_GUARD = "_ZN3c104impl23ExcludeDispatchKeyGuardC1ENS_14DispatchKeySetE"
 TLS_GUARD_END = "_ZN3c104impl23ExcludeDispatchKeyGuardD1Ev"
+# at::globalContext() and at::Context::float32Precision(Float32Backend, Float32Op) const: the
+# float32 precision ATen's CPU matmuls consult (backend MKLDNN, op MATMUL), resolved as ATen
+# resolves it; NONE (nothing set) or IEEE is full precision: sgemm_, not oneDNN's bf16/tf32 GEMM.
+GLOBAL_CONTEXT = "_ZN2at13globalContextEv"
+FP32_PRECISION = "_ZNK2at7Context16float32PrecisionENS_14Float32BackendENS_9Float32OpE"
+MKLDNN, MATMUL = 2, 3
+FULL_PRECISION = (0, 1)
 
 _C_API = (
     "PyObject_Vectorcall",
@@ -91,7 +98,8 @@ def _bind_symbols() -> None:
     for name in _SHIM:
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
-    llvm.add_symbol(FN_MODE, _address(cpu, FN_MODE))
+    for name in (FN_MODE, GLOBAL_CONTEXT, FP32_PRECISION):
+        llvm.add_symbol(name, _address(cpu, name))
     for name in (REQUIRES_GRAD, DEFAULT_DTYPE, TLS_GUARD, TLS_GUARD_END):
         llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))
     for name in ("aligned_alloc", "free"):
@@ -120,6 +128,22 @@ def _check_tensor_layout(cpu: ctypes.CDLL) -> None:
 def default_dtype() -> int:
     """torch.get_default_dtype() as native code reads it."""
     return ctypes.c_int8(getattr(_torch_lib("libc10.so"), DEFAULT_DTYPE)()).value
+
+
+def matmul_precision() -> int:
+    """The float32 precision of ATen's CPU matmuls now, as native code reads it (see FULL_PRECISION)."""
+    context, precision = _precision_fns()
+    return precision(context(), MKLDNN, MATMUL)
+
+
+@functools.cache
+def _precision_fns() -> tuple[Any, Any]:
+    cpu = _torch_lib("libtorch_cpu.so")
+    context = ctypes.CFUNCTYPE(ctypes.c_void_p)(_address(cpu, GLOBAL_CONTEXT))
+    precision = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)(
+        _address(cpu, FP32_PRECISION)
+    )
+    return context, precision
 
 
 def dispatch_keys(t: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from . import config
+from . import config, jit
 from .capture import Captured
 from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape, contiguous_strides
 
@@ -474,21 +474,13 @@ def _blas_call(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, l
     return dict(ta=ta, tb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc) if ok else None
 
 
-def _ieee_matmul() -> bool:
-    """Float32 matmuls in full precision: oneDNN's own setting, or the global one it inherits."""
-    own = torch.backends.mkldnn.matmul.fp32_precision
-    return own == "ieee" or (own == "none" and torch.backends.fp32_precision in ("none", "ieee"))
-
-
 def bmm_blas_args(c: TensorMeta, b1: TensorMeta, b2: TensorMeta) -> dict[str, Any] | None:
     """The cblas_sgemm_batch call ATen's bmm makes for these layouts (LinearAlgebra.cpp:
     bmm_out_or_baddbmm_, baddbmm_with_gemm_), or None where it takes another path: its own loop
     below 400 multiply-adds a matrix, per-matrix addmm for other layouts, sgemm_ for one matrix,
-    oneDNN when the float32 matmul precision is not the default."""
+    oneDNN when the float32 matmul precision is reduced (see _full_precision)."""
     (batch, rows, inner), cols = b1.shape, b2.shape[2]
     if batch < 2 or rows * cols == 0 or inner * rows * cols < 400 or c.stride != contiguous_strides(c.shape):
-        return None
-    if not _ieee_matmul():
         return None
 
     def items(t: TensorMeta) -> bool:  # each matrix contiguous or transposed
@@ -506,7 +498,16 @@ def bmm_blas_args(c: TensorMeta, b1: TensorMeta, b2: TensorMeta) -> dict[str, An
     return None if args is None else dict(batch=batch, stride_a=b2.stride[0], stride_b=b1.stride[0], **args)
 
 
+def _full_precision() -> None:
+    """ATen's float32 matmuls call BLAS only in full precision: under a reduced one (bf16, tf32)
+    they may call oneDNN's GEMM instead. Native GEMMs are compiled for the precision of the
+    moment, and the entry checks it on every call."""
+    if jit.matmul_precision() not in jit.FULL_PRECISION:
+        raise NotNative("float32 matmul precision is reduced: ATen may call oneDNN's GEMM")
+
+
 def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
+    _full_precision()
     for t in (m1, m2) + ((bias,) if bias is not None else ()):
         if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32):
             raise NotNative("GEMM operands must be float32 tensors")
@@ -577,6 +578,7 @@ for _k in (torch.addmm, "addmm"):
 
 def _bmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     _no_out(kwargs)
+    _full_precision()
     b1, b2 = args[0], args[1] if len(args) > 1 else kwargs.get("mat2")
     for t in (b1, b2):
         if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 and t.meta.dim() == 3):

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from . import config, entry
 from .codegen import Access, ModuleBuilder, Segment
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module, pyfunction
+from .jit import compile_module, matmul_precision, pyfunction
 from .lowering import Lowered, Sym
 
 MISS = object()  # what an entry returns for a call it was not compiled for, unless told otherwise
@@ -217,6 +217,7 @@ class Program:
             modules=guard.modules,
             epoch=guard.epoch,
             epoch_value=guard.epoch_value,
+            matmul_precision=matmul_precision() if self._gemms() else -1,
             outputs=tuple((slot[o], self.alloc[o]) for o in outs),
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=tuple((self.layout.tmp_slot[b], nb) for b, nb in self.layout.scratch_bytes.items())
@@ -276,10 +277,13 @@ class Program:
         rel = meta.offset - owner.meta.offset
         return Access(self.layout.slot[owner.name], TensorMeta(meta.shape, meta.stride, rel, meta.dtype))
 
+    def _gemms(self) -> list[dict[str, Any]]:
+        """The BLAS arguments of each native GEMM and batched GEMM."""
+        return [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
+
     def _flops(self) -> int:
         """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element."""
-        gemms = [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
-        return 2 * sum(g.get("batch", 1) * g["m"] * g["n"] * g["k"] for g in gemms) + self._loop_work()
+        return 2 * sum(g.get("batch", 1) * g["m"] * g["n"] * g["k"] for g in self._gemms()) + self._loop_work()
 
     def _loop_work(self) -> int:
         """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""

@@ -113,3 +113,26 @@ def test_bmm_aten_computes_otherwise_runs_through_aten(a, b):
 
 def test_batched_matmul_that_broadcasts_runs_through_aten():
     check_model(torch.matmul, (torch.randn(4, 8, 16), torch.randn(1, 16, 6)), externs=1)
+
+
+@pytest.mark.parametrize("setting", ["bf16", "tf32"])
+def test_a_matmul_precision_set_after_compiling_is_followed(setting):
+    # Under a reduced precision ATen may call oneDNN's GEMM (on CPUs with bf16 or AMX): the
+    # compiled sgemm_ must not run then; the precision set back, it runs again.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
+    cases = [(model, (torch.randn(32, 64),)), (lambda a: torch.bmm(a, a.transpose(1, 2)), (torch.randn(4, 16, 32),))]
+    for fn, args in cases:
+        compiled = check_model(fn, args, externs=0)
+        before = torch.backends.mkldnn.matmul.fp32_precision
+        try:
+            torch.backends.mkldnn.matmul.fp32_precision = setting
+            check_model(fn, args, compiled=compiled)
+            assert len(compiled.programs()) == 2 and _gemms(compiled.programs()[-1]) == 0
+        finally:
+            torch.backends.mkldnn.matmul.fp32_precision = before
+        check_model(fn, args, compiled=compiled)
+        assert len(compiled.programs()) == 2  # the first program again, not a third
+
+
+def _gemms(prog) -> int:
+    return sum(k.op.name in ("GEMM", "BMM") for s in prog.segments for k in s.kernels)
