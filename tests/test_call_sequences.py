@@ -1,6 +1,7 @@
 """Hypothesis draws sequences of calls of one compiled wrapper, each with another input layout,
-dtype, mode or model state; each call must answer as eager does (the same values, or the same
-kind of exception). The native guard decides, call by call, whether machine code may run."""
+dtype, mode, model state or float32 matmul precision; each call must answer as eager does (the
+same values, or the same kind of exception). The native guard decides, call by call, whether
+machine code may run."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ calls = st.lists(
         st.sampled_from(["contiguous", "transposed", "strided", "broadcast", "negated", "wide"]),
         st.sampled_from([torch.float32, torch.float32, torch.float64]),
         st.sampled_from(list(_MODES)),
-        st.sampled_from(["eval", "train-dropout", "train-all", "new-weights"]),
+        st.sampled_from(["eval", "train-dropout", "train-all", "new-weights", "bf16-matmul"]),
     ),
     min_size=2,
     max_size=8,
@@ -88,10 +89,15 @@ def test_every_call_answers_as_eager_does(sequence):
             with torch.no_grad():
                 model.fc1.weight.copy_(torch.randn(16, 8))
         x = _input(rows, layout, dtype)
-        expected = _outcome(model, x, mode)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", braze.BrazeWarning)  # grad mode, autocast: eager, said once
-            actual = _outcome(compiled, x, mode)
+        precision = torch.backends.mkldnn.matmul.fp32_precision
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16" if state == "bf16-matmul" else "none"
+        try:
+            expected = _outcome(model, x, mode)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", braze.BrazeWarning)  # grad mode, autocast: eager, said once
+                actual = _outcome(compiled, x, mode)
+        finally:
+            torch.backends.mkldnn.matmul.fp32_precision = precision
         if isinstance(expected, type):
             assert actual is expected, (rows, layout, dtype, mode, state, actual)
         else:
