@@ -9,6 +9,7 @@ the value they change is braze's own intermediate; changing an input or a view i
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -597,23 +598,24 @@ def _linear_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
 
 
 def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's linear: addmm for a matrix with a bias; the same on the rows of a contiguous
+    input of other ranks (_flatten_nd_linear) when the bias is a contiguous vector; else
+    matmul(input, weight.t()), then the bias added to it in place."""
     x, w, b = _linear_parts(fn, args, kwargs)
     if isinstance(fn, torch.nn.Linear):
         w = lw.param(fn.weight, "weight")
         b = None if fn.bias is None else lw.param(fn.bias, "bias")
-    if not isinstance(x, Sym) or not isinstance(w, Sym):
+    if not isinstance(x, Sym) or not isinstance(w, Sym) or not x.is_tensor:
         raise NotNative("linear on non-tensors")
     wt = lw.view(w, torch.t)
-    dim = x.meta.dim()
-    if dim == 2 and b is not None:
+    if b is not None and x.meta.dim() == 2:
         return _gemm(lw, x, wt, b, 1.0)
-    if dim == 3 and b is not None and x.meta.is_contiguous():
-        flat = lw.view(x, lambda t: t.view(-1, t.shape[-1]))
-        res = _gemm(lw, flat, wt, b, 1.0)
-        return lw.view(res, lambda t: t.view(out.shape))
-    if dim == 2 and b is None:
-        return _gemm(lw, x, wt, None, 0.0)
-    raise NotNative(f"linear on a {dim}-D input takes ATen's matmul path")
+    vector = isinstance(b, Sym) and b.is_tensor and b.meta.squeeze().dim() == 1 and b.meta.is_contiguous()
+    if vector and x.meta.is_contiguous():
+        rows = lw.view(x, lambda t: t.view(math.prod(t.shape[:-1]), t.shape[-1]))
+        return lw.view(_gemm(lw, rows, wt, b, 1.0), lambda t: t.view(out.shape))
+    res = _matmul_of(lw, x, wt, out)
+    return res if b is None else lw.elementwise(Op.ADD, (res, b), out)
 
 
 def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -723,16 +725,38 @@ def _hardtanh_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> 
 
 
 def _matmul(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    _no_out(kwargs)
     a, b = args[0], args[1]
-    tensors = all(isinstance(t, Sym) and t.is_tensor for t in (a, b))
-    if tensors and a.meta.dim() == b.meta.dim() == 2:
-        return _mm(lw, fn, args, kwargs, out)  # 2-D @ 2-D is at::mm in ATen's matmul
-    if tensors and a.meta.dim() == b.meta.dim() == 3 and a.meta.shape[0] == b.meta.shape[0]:
+    if not all(isinstance(t, Sym) and t.is_tensor for t in (a, b)):
+        raise NotNative("matmul of non-tensors")
+    return _matmul_of(lw, a, b, out)
+
+
+def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any) -> Sym:
+    """ATen's _matmul_impl, where it calls mm or bmm on views of its operands."""
+    da, db = a.meta.dim(), b.meta.dim()
+    if da == db == 2:
+        return _gemm(lw, a, b, None, 0.0)
+    if da == 1 and db == 2:  # a.unsqueeze(0).mm(b).squeeze_(0)
+        row = lw.view(a, lambda t: t.unsqueeze(0))
+        return lw.view(_gemm(lw, row, b, None, 0.0), lambda t: t.squeeze(0))
+    if da >= 3 and db == 2 and _folds(a.meta):
+        # should_fold: the leading dimensions merge without a copy, so ATen folds them into the
+        # rows of one mm (whether or not b requires grad), then views the result
+        rows = lw.view(a, lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1]))
+        return lw.view(_gemm(lw, rows, b, None, 0.0), lambda t: t.view(out.shape))
+    if da == db == 3 and a.meta.shape[0] == b.meta.shape[0]:
         # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(shape), which may
         # give size-1 dimensions other strides (and so other BLAS arguments): take its layouts.
         a, b = (lw.view(t, lambda e: e.expand(e.shape).reshape(e.shape)) for t in (a, b))
-        return _bmm(lw, fn, (a, b), kwargs, out)
-    raise NotNative("matmul that is neither 2-D @ 2-D nor 3-D @ 3-D with equal batches")
+        return _bmm(lw, torch.bmm, (a, b), {}, out)
+    raise NotNative("matmul ATen computes with a matrix-vector product, a copy or a broadcast batch")
+
+
+def _folds(t: torch.Tensor) -> bool:
+    """Whether ATen's matmul folds t @ matrix (t of 3 or more dimensions) into one mm whatever
+    requires grad (should_fold): t is empty, or its leading dimensions merge without a copy."""
+    return t.numel() == 0 or all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2))
 
 
 _rows()

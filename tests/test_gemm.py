@@ -25,11 +25,43 @@ def test_linear_3d_flattens_like_aten(shape):
     check_model(lambda x: F.linear(x, w, b), (torch.randn(*shape),), externs=0)
 
 
-def test_linear_without_bias_and_3d_non_contiguous():
-    w = torch.randn(12, 33)
-    check_model(lambda x: F.linear(x, w), (torch.randn(7, 33),), kernels=1, externs=0)
-    x, b = torch.randn(33, 5, 2).permute(2, 1, 0), torch.randn(12)
-    check_model(lambda x: F.linear(x, w, b), (x,), externs=1)  # ATen's matmul path
+# Inputs of linear and matmul beside a matrix: ATen folds their leading dimensions into the rows
+# of one GEMM (addmm when linear's input is contiguous and its bias a vector; else mm, then the
+# bias added), unless they do not merge without a copy: then it runs bmm on a broadcast matrix.
+ROWS = {
+    "vector": (lambda: torch.randn(33), True),
+    "3-D": (lambda: torch.randn(2, 7, 33), True),
+    "4-D": (lambda: torch.randn(2, 3, 5, 33), True),
+    "strided rows": (lambda: torch.randn(2, 14, 33)[:, ::2], True),
+    "empty": (lambda: torch.randn(0, 3, 33), True),
+    "permuted": (lambda: torch.randn(33, 5, 2).permute(2, 1, 0), False),
+    "batch transposed": (lambda: torch.randn(7, 2, 33).transpose(0, 1), False),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_linear_on_inputs_of_any_rank(rows, bias):
+    make, folds = ROWS[rows]
+    w, b = torch.randn(12, 33), torch.randn(12) if bias else None
+    check_model(lambda x: F.linear(x, w, b), (make(),), externs=0 if folds else 1)
+    layer = torch.nn.Linear(33, 12, bias=bias).eval()  # a parameter requires grad: ATen folds anyway
+    check_model(layer, (make(),), externs=0 if folds else 1)
+
+
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_matmul_with_a_matrix_folds_as_aten_does(rows):
+    make, folds = ROWS[rows]
+    for w in (torch.randn(33, 10), torch.randn(10, 33).t(), torch.randn(33, 33)[:, :10]):
+        check_model(torch.matmul, (make(), w), externs=0 if folds else 1)
+    w = torch.randn(33, 10)
+    check_model(lambda x: x @ w, (make(),), externs=0 if folds else 1)
+
+
+def test_matmul_aten_does_not_run_as_a_gemm_runs_through_aten():
+    m, v = torch.randn(10, 33), torch.randn(33)
+    check_model(torch.matmul, (m, v), externs=1)  # mv
+    check_model(torch.matmul, (m, torch.randn(2, 33, 4)), externs=1)  # a matrix times a batch
 
 
 @pytest.mark.parametrize(

@@ -528,9 +528,10 @@ def test_random_numbers_drawn_inside_forward_stay_random():
 
 
 def test_parameters_of_layers_that_run_through_aten_do_not_shift_the_others():
-    # Found by hypothesis: a bias-free Linear on a 3-D input runs through ATen; its weight was
-    # once counted among the program's parameters and shifted every later one by a slot.
-    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1)).eval()
+    # Found by hypothesis: the weight of a layer that runs through ATen (then a bias-free Linear
+    # on a 3-D input, native since) was once counted among the program's parameters and shifted
+    # every later one by a slot.
+    model = nn.Sequential(nn.LayerNorm(1), nn.Linear(1, 1)).eval()
     check_model(model, (torch.randn(2, 5, 1),), externs=1)
 
 
