@@ -355,6 +355,36 @@ def _unary(op: Op) -> Callable[..., Sym]:
     return row
 
 
+def _pow(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's pow with the exponents its CPU kernel computes with IEEE arithmetic instead of
+    std::pow: x * x, x * x * x, 1 / x and 1 / (x * x), in that order of operations. (Its
+    sqrt, for 0.5, is not correctly rounded: through ATen.)"""
+    _no_out(kwargs)
+    x, e = args[0], args[1] if len(args) > 1 else kwargs["exponent"]
+    if not isinstance(e, (int, float)) or isinstance(e, bool) or e not in (2, 3, -1, -2):
+        raise NotNative(f"pow with exponent {e!r}")
+    if e == -1:
+        return lw.elementwise(Op.DIV, (1.0, x), out)
+    square = lw.elementwise(Op.MUL, (x, x), out)
+    if e == 2:
+        return square
+    return lw.elementwise(Op.MUL, (square, x), out) if e == 3 else lw.elementwise(Op.DIV, (1.0, square), out)
+
+
+def _pow_by(exponent: int) -> Callable[..., Sym]:
+    """square (2) and reciprocal (-1): ATen computes them as pow does."""
+    return lambda lw, fn, args, kwargs, out: _pow(lw, fn, (args[0], exponent), kwargs, out)
+
+
+def _masked_fill(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """x.masked_fill(mask, value) with a Python value: where(mask, value, x)."""
+    x, mask = args[0], args[1]
+    value = args[2] if len(args) > 2 else kwargs.get("value")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise NotNative("masked_fill with a tensor value")
+    return lw.elementwise(Op.WHERE, (mask, value, x), out)
+
+
 def _leaky_relu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
     return lw.elementwise(Op.LEAKY_RELU, (args[0],), out, slope=lw._operand(slope, False))
@@ -378,6 +408,17 @@ def _hardtanh(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
     hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
     return _clamp_bounds(lw, lo, hi, args[0], out)
+
+
+def _clamp_one(lo: bool) -> Callable[..., Sym]:
+    """clamp_min (lo) or clamp_max: clamp with one bound."""
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        _no_out(kwargs)
+        bound = args[1] if len(args) > 1 else kwargs.get("min" if lo else "max")
+        return _clamp_bounds(lw, bound if lo else None, None if lo else bound, args[0], out)
+
+    return row
 
 
 def _relu6(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -666,6 +707,12 @@ def _rows() -> None:
     register(torch.rsub, "rsub", "__rsub__")(_rsub)
     register(operator.neg, torch.neg, torch.negative, "neg", "neg_", "__neg__")(_unary(Op.NEG))
     register(operator.abs, torch.abs, "abs", "abs_", "__abs__")(_unary(Op.ABS))
+    register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
+    register(torch.square, "square", "square_")(_pow_by(2))
+    register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))
+    register(torch.masked_fill, "masked_fill", "masked_fill_")(_masked_fill)
+    register(torch.clamp_min, "clamp_min", "clamp_min_")(_clamp_one(lo=True))
+    register(torch.clamp_max, "clamp_max", "clamp_max_")(_clamp_one(lo=False))
     register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_unary(Op.RELU))
     register(F.leaky_relu, F.leaky_relu_, nn.LeakyReLU)(_leaky_relu_any)
     register(torch.clamp, torch.clip, "clamp", "clip", "clamp_", "clip_")(_clamp)

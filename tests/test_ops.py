@@ -45,6 +45,14 @@ NATIVE = [
     ("clamp", lambda x: torch.clamp(x, -0.5, 0.75), 1),
     ("clamp_min", lambda x: x.clamp(min=0.1), 1),
     ("clamp_max", lambda x: x.clamp(max=0.1), 1),
+    ("clamp_min_method", lambda x: x.clamp_min(-0.2), 1),
+    ("torch.clamp_max", lambda x: torch.clamp_max(x, 0.3), 1),
+    ("pow2", lambda x: x**2, 1),
+    ("pow3", lambda x: torch.pow(x, 3), 1),
+    ("pow_minus1", lambda x: x**-1, 1),
+    ("pow_minus2", lambda x: x.pow(-2.0), 1),
+    ("square", torch.square, 1),
+    ("reciprocal", torch.reciprocal, 1),
     ("hardtanh", F.hardtanh, 1),
     ("relu6", F.relu6, 1),
     ("where", lambda x, y: torch.where(x > y, x, y), 2),
@@ -64,6 +72,14 @@ def test_where_native_with_bool_input():
     x, y = special(7, 33), special(7, 33)
     cond = x > y
     check_model(lambda c, a, b: torch.where(c, a, b), (cond, x, y), kernels=1, externs=0)
+    check_model(lambda c, a: a.masked_fill(c, -1.5) * 2, (cond, x), kernels=1, externs=0)
+    check_model(lambda c, a: a.masked_fill(c[:1], 0.0), (cond, x), kernels=1, externs=0)  # broadcast mask
+
+
+def test_pow_exponents_aten_computes_with_std_pow_run_through_aten():
+    x = special(7, 33)
+    for e in (2.5, 0.5, -0.5, 4, 0, 1):  # 0.5: ATen's sqrt, which is not correctly rounded
+        check_model(lambda t, e=e: t**e, (x,), externs=1)
 
 
 @pytest.mark.parametrize("name,fn,arity", [r for r in NATIVE if r[2] == 2], ids=[r[0] for r in NATIVE if r[2] == 2])
