@@ -95,6 +95,8 @@ class ModuleBuilder:
                 self._gemm(b, table, k)
             elif k.op is Op.BMM:
                 self._bmm(b, table, k)
+            elif k.op is Op.CAT:
+                self._cat(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -157,6 +159,16 @@ class ModuleBuilder:
         wb.ret_void()
         gomp = self.declare("GOMP_parallel", VOID, [PTR, PTR, I32, I32])
         b.call(gomp, [wrap, table, I32(0), I32(0)])
+
+    def _cat(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """One copy loop per input, into its slice of the output (ATen's cat: bits unchanged)."""
+        out, dim, start = self.slot_of(k.name), k.attrs["dim"], 0
+        for name in k.inputs:
+            shape = self.slot_of(name).meta.shape
+            where = out.meta.offset + start * out.meta.stride[dim]
+            part = TensorMeta(shape, out.meta.stride, where, out.meta.dtype)
+            self._loop_kernel(b, table, part, Access(out.slot, part), (Node(k.name, Op.COPY, (name,), part),), {})
+            start += shape[dim]
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:

@@ -46,6 +46,8 @@ def _fusion(prog: Program) -> str:
             lines.append(
                 f"  {n.name}: sgemm_ {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else "")
             )
+        elif n.op is Op.CAT:
+            lines.append(f"  {n.name}: copies of {', '.join(n.inputs)} along dimension {n.attrs['dim']}")
         elif n.op is Op.BMM:
             batch = n.attrs["blas"]["batch"]
             lines.append(f"  {n.name}: cblas_sgemm_batch {n.inputs[0]} @ {n.inputs[1]}, {batch} matrices")

@@ -36,6 +36,7 @@ class Op(enum.Enum):
     WHERE = "where"  # inputs: cond (bool), a, b
     GEMM = "gemm"  # out = beta * bias + a @ b through BLAS sgemm_, as ATen's addmm/mm
     BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
+    CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -44,7 +45,7 @@ UNARY = frozenset({Op.NEG, Op.ABS, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
-KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM}) | ELEMENTWISE
+KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT}) | ELEMENTWISE
 
 # An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
 Operand = str | float | None
@@ -203,6 +204,14 @@ def _verify_body(owner: Node, metas: dict[str, TensorMeta | None]) -> None:
     _check(owner.body[-1].name == owner.name, f"{owner.name}: body must end in the owner's value")
 
 
+def _verify_cat(n: Node, metas: dict[str, TensorMeta | None]) -> None:
+    dim, shapes = n.attrs["dim"], [metas[i].shape for i in n.inputs if metas.get(i) is not None]
+    _check(len(shapes) == len(n.inputs), f"{n.name}: cat of a non-tensor")
+    rest = [s[:dim] + s[dim + 1 :] for s in shapes]
+    _check(all(r == n.meta.shape[:dim] + n.meta.shape[dim + 1 :] for r in rest), f"{n.name}: cat of {shapes}")
+    _check(sum(s[dim] for s in shapes) == n.meta.shape[dim], f"{n.name}: cat sizes do not add up")
+
+
 def verify(graph: Graph) -> Graph:
     """Check single assignment, defined-before-use, and consistent shapes; return the graph."""
     metas: dict[str, TensorMeta | None] = {}
@@ -217,6 +226,8 @@ def verify(graph: Graph) -> Graph:
         if n.op is Op.VIEW:
             src = metas[n.inputs[0]]
             _check(src is not None and n.meta.span <= src.span, f"{n.name}: view reaches past its base")
+        if n.op is Op.CAT:
+            _verify_cat(n, metas)
         if n.op is Op.COPY:
             src = metas[n.inputs[0]]
             _check(src is not None and n.meta.shape == src.shape, f"{n.name}: copy changes shape")

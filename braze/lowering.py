@@ -376,6 +376,31 @@ def _pow_by(exponent: int) -> Callable[..., Sym]:
     return lambda lw, fn, args, kwargs, out: _pow(lw, fn, (args[0], exponent), kwargs, out)
 
 
+def _cat(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's cat of float32 tensors: a copy of each along `dim` (it skips 1-D empty tensors)."""
+    _no_out(kwargs)
+    tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+        raise NotNative("cat whose result is not float32")
+    if not all(isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 for t in tensors):
+        raise NotNative("cat of tensors that are not all float32")
+    if not isinstance(dim, int):
+        raise NotNative("cat along a named dimension")
+    parts = [t.name for t in tensors if not (t.meta.dim() == 1 and t.meta.numel() == 0)]
+    if not parts:
+        raise NotNative("cat of empty tensors only")
+    return lw.emit(Op.CAT, tuple(parts), out, dim=dim % out.dim())
+
+
+def _stack(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's stack: cat of the tensors unsqueezed at `dim`."""
+    tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not all(isinstance(t, Sym) and t.is_tensor for t in tensors) or not isinstance(dim, int):
+        raise NotNative("stack of non-tensors or along a named dimension")
+    d = dim % out.dim()
+    return _cat(lw, fn, ([lw.view(t, lambda e: e.unsqueeze(d)) for t in tensors], d), kwargs, out)
+
+
 def _masked_fill(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     """x.masked_fill(mask, value) with a Python value: where(mask, value, x)."""
     x, mask = args[0], args[1]
@@ -711,6 +736,8 @@ def _rows() -> None:
     register(torch.square, "square", "square_")(_pow_by(2))
     register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))
     register(torch.masked_fill, "masked_fill", "masked_fill_")(_masked_fill)
+    register(torch.cat, torch.concat, torch.concatenate)(_cat)
+    register(torch.stack)(_stack)
     register(torch.clamp_min, "clamp_min", "clamp_min_")(_clamp_one(lo=True))
     register(torch.clamp_max, "clamp_max", "clamp_max_")(_clamp_one(lo=False))
     register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_unary(Op.RELU))

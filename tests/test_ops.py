@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import operator
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import braze
 
 from .helpers import check_model
 
@@ -167,3 +170,25 @@ def test_extern_ops_match_eager(name, fn, shape):
 def test_extern_between_native_kernels():
     compiled = check_model(lambda x: torch.tanh(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
     assert compiled.programs()[0].externs[0][0].endswith("tanh")
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat_and_stack_are_copies_into_slices(dim):
+    a, b, c = special(7, 33), special(7, 33), special(7, 1)
+    check_model(lambda x, y: torch.cat([x, y], dim) * 2, (a, b), kernels=2, externs=0)  # cat, then the loop
+    check_model(lambda x, y: torch.stack((x, y.t().t(), x + 1), dim), (a, b), externs=0)
+    check_model(lambda x, y: torch.cat([x.t(), y.t()], dim), (a, b), kernels=1, externs=0)  # strided in and out
+    check_model(lambda x: torch.cat([x, x[:0] if dim == 0 else x[:, :0], x], dim), (a,), externs=0)
+    if dim != 0:
+        check_model(lambda x, z: torch.cat([x, z, z], dim=dim), (a, c), kernels=1, externs=0)
+
+
+def test_cat_cases_aten_handles_otherwise():
+    a = special(7, 33)
+    check_model(lambda x: torch.cat([x, torch.zeros(0)]), (a,), externs=0)  # ATen skips a 1-D empty tensor
+    check_model(lambda x: torch.cat([x, x.double()]), (a,), externs=2)  # .double, and cat to float64
+    check_model(lambda x: torch.cat([torch.zeros(0), torch.zeros(0)]) + x.sum(), (a,))
+    bad = braze.compile(lambda x: torch.cat([x, x[:, :3]]))  # sizes differ off the cat dimension
+    with pytest.raises(RuntimeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", braze.BrazeWarning)
+        bad(a)
