@@ -17,6 +17,9 @@ ACTS = {
     "hardtanh": F.hardtanh,
     "neg_abs": lambda t: -t.abs(),
     "scale": lambda t: t * 0.25 + 1,
+    "square": lambda t: t**2 * 0.1,
+    "cat": lambda t: torch.cat([t, -t], -1)[..., ::2],
+    "masked": lambda t: t.masked_fill(t > 0.5, 0.5),  # the comparison is an ATen call
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,
 }
@@ -42,8 +45,8 @@ def mlps(draw):
     acts = draw(st.lists(st.sampled_from(sorted(ACTS)), min_size=depth, max_size=depth))
     bias = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
     residual = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
-    batch = draw(st.sampled_from([(1,), (7,), (33,), (2, 5)]))
-    transpose = draw(st.booleans()) and len(batch) == 1
+    batch = draw(st.sampled_from([(1,), (7,), (33,), (2, 5), (2, 3, 5)]))
+    transpose = draw(st.booleans()) and len(batch) <= 2  # a matrix transposed, or a batch permuted
     return RandomMLP(widths, acts, bias, residual).eval(), batch, transpose
 
 
@@ -53,5 +56,10 @@ def test_random_mlps_match_eager(case, seed):
     model, batch, transpose = case
     torch.manual_seed(seed)
     width = model.layers[0].in_features
-    x = torch.randn(width, *batch).t() if transpose else torch.randn(*batch, width)
+    if not transpose:
+        x = torch.randn(*batch, width)
+    elif len(batch) == 1:
+        x = torch.randn(width, *batch).t()  # a transposed matrix
+    else:
+        x = torch.randn(batch[1], batch[0], width).transpose(0, 1)  # batch dimensions swapped
     check_model(model, (x,))
