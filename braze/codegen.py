@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llvmlite.ir as ll
+import torch
 
-from .ir import Node, Op, TensorMeta
+from .ir import COMPARE, Node, Op, TensorMeta
 
 F32, I64, I32, I8, I1 = ll.FloatType(), ll.IntType(64), ll.IntType(32), ll.IntType(8), ll.IntType(1)
 PTR = ll.PointerType()
@@ -135,7 +136,7 @@ class ModuleBuilder:
         innermost = dims[-1].axis if dims else None
         vector = innermost is not None and all(acc[1][innermost] in (0, 1) for acc in accesses.values())
         vector = vector and dims[-1].size >= WIDTH
-        emitter = _BodyEmitter(body, accesses, dims, operands)
+        emitter = _BodyEmitter(body, accesses, dims, operands, out.meta.dtype == torch.bool)
         _nest(kb, dims, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
         total = dims[0].size if dims else 1
@@ -399,8 +400,11 @@ FULL_UNROLL = 128  # elements: inner rows this short are written out in full
 class _BodyEmitter:
     """Emits one iteration (one element, or WIDTH of them) of a fused elementwise body."""
 
-    def __init__(self, body: tuple[Node, ...], accesses: dict, dims: list[_Dim], operands: dict[str, Access]) -> None:
+    def __init__(
+        self, body: tuple[Node, ...], accesses: dict, dims: list[_Dim], operands: dict[str, Access], bool_out: bool
+    ) -> None:
         self.body, self.accesses, self.dims, self.operands = body, accesses, dims, operands
+        self.bool_out = bool_out  # the loop stores a comparison's i1 values as bytes
 
     def pointer(self, b: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
         base, strides, off = self.accesses[name]
@@ -417,7 +421,9 @@ class _BodyEmitter:
         return self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
 
     def _etype(self, name: str) -> ll.Type:
-        return F32 if name == "__out__" or _dtype_of(self.operands, name) else I8
+        if name == "__out__":
+            return I8 if self.bool_out else F32
+        return F32 if _dtype_of(self.operands, name) else I8
 
     def emit(self, b: ll.IRBuilder, idx: list[ll.Value], width: int, offsets: tuple[int, ...] = (0,)) -> None:
         """The body at `idx`, then at each further element offset along the innermost loop
@@ -459,7 +465,11 @@ class _BodyEmitter:
 
             for n in self.body:
                 vals[n.name] = _scalar_op(b, n, get, const)
-            b.store(vals[self.body[-1].name], at("__out__", offset), align=4)
+            result = vals[self.body[-1].name]
+            if self.bool_out:
+                b.store(b.zext(result, ty(I8)), at("__out__", offset), align=1)
+            else:
+                b.store(result, at("__out__", offset), align=4)
 
 
 def _scalar_op(
@@ -498,11 +508,21 @@ def _scalar_op(
         pick = b.select(b.fcmp_ordered(cmp, x[0], x[1]), x[0], x[1])
         nan = b.fcmp_unordered("uno", x[0], x[1])
         return b.select(nan, const(float("nan")), pick)
+    if op in COMPARE:  # IEEE: false when either is NaN, except != (true)
+        if op is Op.NE:
+            return b.fcmp_unordered("!=", x[0], x[1])
+        return b.fcmp_ordered(_COMPARE[op], x[0], x[1])
     if op is Op.WHERE:
-        zero = ll.Constant(x[0].type, [0] * x[0].type.count) if isinstance(x[0].type, ll.VectorType) else I8(0)
-        return b.select(b.icmp_unsigned("!=", x[0], zero), x[1], x[2])
+        cond = x[0]  # a comparison's i1 values, or bool bytes loaded from memory
+        element = cond.type.element if isinstance(cond.type, ll.VectorType) else cond.type
+        if element != I1:
+            zero = ll.Constant(cond.type, [0] * cond.type.count) if isinstance(cond.type, ll.VectorType) else I8(0)
+            cond = b.icmp_unsigned("!=", cond, zero)
+        return b.select(cond, x[1], x[2])
     raise NotImplementedError(op)
 
+
+_COMPARE = {Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.EQ: "=="}
 
 _ARITH = {
     Op.ADD: lambda b, x, y: b.fadd(x, y),

@@ -34,6 +34,12 @@ class Op(enum.Enum):
     MAXIMUM = "maximum"
     MINIMUM = "minimum"
     WHERE = "where"  # inputs: cond (bool), a, b
+    LT = "lt"  # comparisons: float32 operands, a bool result
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+    EQ = "eq"
+    NE = "ne"
     GEMM = "gemm"  # out = beta * bias + a @ b through BLAS sgemm_, as ATen's addmm/mm
     BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
     CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
@@ -43,7 +49,8 @@ class Op(enum.Enum):
 
 UNARY = frozenset({Op.NEG, Op.ABS, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
-ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
+COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
+ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
 KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT}) | ELEMENTWISE
 

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from . import config, jit
 from .capture import Captured
-from .ir import Graph, Node, Op, Operand, TensorMeta, broadcast_shape, contiguous_strides
+from .ir import COMPARE, Graph, Node, Op, Operand, TensorMeta, broadcast_shape, contiguous_strides
 
 
 class Unsupported(Exception):
@@ -136,8 +136,9 @@ class Lowerer:
         return self.real[s.name]
 
     def elementwise(self, op: Op, operands: tuple[Any, ...], out: Any, **attrs: Any) -> Sym:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
-            raise NotNative(f"result dtype {getattr(out, 'dtype', type(out))} is not float32")
+        want = torch.bool if op in COMPARE else torch.float32
+        if not isinstance(out, torch.Tensor) or out.dtype != want:
+            raise NotNative(f"result dtype {getattr(out, 'dtype', type(out))} is not {want}")
         ir_ops: list[Operand] = []
         for i, a in enumerate(operands):
             ir_ops.append(self._operand(a, allow_bool=(op is Op.WHERE and i == 0)))
@@ -727,6 +728,12 @@ def _rows() -> None:
         ),
         Op.MAXIMUM: (torch.maximum, "maximum"),
         Op.MINIMUM: (torch.minimum, "minimum"),
+        Op.LT: (operator.lt, torch.lt, torch.less, "lt", "less", "__lt__"),
+        Op.LE: (operator.le, torch.le, torch.less_equal, "le", "less_equal", "__le__"),
+        Op.GT: (operator.gt, torch.gt, torch.greater, "gt", "greater", "__gt__"),
+        Op.GE: (operator.ge, torch.ge, torch.greater_equal, "ge", "greater_equal", "__ge__"),
+        Op.EQ: (operator.eq, torch.eq, "eq", "__eq__"),
+        Op.NE: (operator.ne, torch.ne, torch.not_equal, "ne", "not_equal", "__ne__"),
     }.items():
         register(*keys)(_binary(op))
     register(torch.rsub, "rsub", "__rsub__")(_rsub)

@@ -133,7 +133,8 @@ class Workspace:
 
 
 def _scratch_buffers(layout: Layout) -> dict[int, torch.Tensor]:
-    return {b: torch.empty(max(nb // 4, 1), dtype=torch.float32) for b, nb in layout.scratch_bytes.items()}
+    # float32 words, rounded up: a bool value takes any number of bytes
+    return {b: torch.empty(max(-(-nb // 4), 1), dtype=torch.float32) for b, nb in layout.scratch_bytes.items()}
 
 
 class Program:

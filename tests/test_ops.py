@@ -58,6 +58,14 @@ NATIVE = [
     ("reciprocal", torch.reciprocal, 1),
     ("hardtanh", F.hardtanh, 1),
     ("relu6", F.relu6, 1),
+    ("lt", operator.lt, 2),
+    ("le", torch.le, 2),
+    ("gt", torch.gt, 2),
+    ("ge", operator.ge, 2),
+    ("eq", operator.eq, 2),
+    ("ne", operator.ne, 2),
+    ("le_scalar", lambda x: x <= 0.5, 1),
+    ("scalar_lt", lambda x: 0 < x, 1),
     ("where", lambda x, y: torch.where(x > y, x, y), 2),
     ("where_scalar", lambda x: torch.where(x.isnan(), 0.0, x), 1),
 ]
@@ -77,6 +85,9 @@ def test_where_native_with_bool_input():
     check_model(lambda c, a, b: torch.where(c, a, b), (cond, x, y), kernels=1, externs=0)
     check_model(lambda c, a: a.masked_fill(c, -1.5) * 2, (cond, x), kernels=1, externs=0)
     check_model(lambda c, a: a.masked_fill(c[:1], 0.0), (cond, x), kernels=1, externs=0)  # broadcast mask
+    check_model(lambda a, b: torch.where(a > b, a, b * 2), (x, y), kernels=1, externs=0)  # compare fused
+    check_model(lambda a: a.masked_fill(a.t().t() > 0.5, 0.5), (x,), kernels=1, externs=0)
+    check_model(lambda a, b: (a < b) | (a > 2), (x, y), kernels=2, externs=1)  # | on bools: ATen
 
 
 def test_pow_exponents_aten_computes_with_std_pow_run_through_aten():

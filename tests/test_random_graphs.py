@@ -19,7 +19,8 @@ ACTS = {
     "scale": lambda t: t * 0.25 + 1,
     "square": lambda t: t**2 * 0.1,
     "cat": lambda t: torch.cat([t, -t], -1)[..., ::2],
-    "masked": lambda t: t.masked_fill(t > 0.5, 0.5),  # the comparison is an ATen call
+    "masked": lambda t: t.masked_fill(t > 0.5, 0.5),
+    "where": lambda t: torch.where(t >= 0, t, t * 0.1),
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,
 }
