@@ -679,8 +679,7 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         return _gemm(lw, x, wt, b, 1.0)
     vector = isinstance(b, Sym) and b.is_tensor and b.meta.squeeze().dim() == 1 and b.meta.is_contiguous()
     if vector and x.meta.is_contiguous():
-        rows = lw.view(x, lambda t: t.view(math.prod(t.shape[:-1]), t.shape[-1]))
-        return lw.view(_gemm(lw, rows, wt, b, 1.0), lambda t: t.view(out.shape))
+        return _gemm_on_rows(lw, x, wt, b, 1.0, out)
     res = _matmul_of(lw, x, wt, out)
     return res if b is None else lw.elementwise(Op.ADD, (res, b), out)
 
@@ -824,14 +823,20 @@ def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any) -> Sym:
     if da >= 3 and db == 2 and _folds(a.meta):
         # should_fold: the leading dimensions merge without a copy, so ATen folds them into the
         # rows of one mm (whether or not b requires grad), then views the result
-        rows = lw.view(a, lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1]))
-        return lw.view(_gemm(lw, rows, b, None, 0.0), lambda t: t.view(out.shape))
+        return _gemm_on_rows(lw, a, b, None, 0.0, out)
     if da == db == 3 and a.meta.shape[0] == b.meta.shape[0]:
         # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(shape), which may
         # give size-1 dimensions other strides (and so other BLAS arguments): take its layouts.
         a, b = (lw.view(t, lambda e: e.expand(e.shape).reshape(e.shape)) for t in (a, b))
         return _bmm(lw, torch.bmm, (a, b), {}, out)
     raise NotNative("matmul ATen computes with a matrix-vector product, a copy or a broadcast batch")
+
+
+def _gemm_on_rows(lw: Lowerer, x: Sym, w: Sym, bias: Sym | None, beta: float, out: Any) -> Sym:
+    """A GEMM on x's leading dimensions merged into rows (a view: x is contiguous, or folds),
+    its result viewed with `out`'s shape: ATen's _flatten_nd_linear and matmul's fold."""
+    rows = lw.view(x, lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1]))
+    return lw.view(_gemm(lw, rows, w, bias, beta), lambda t: t.view(out.shape))
 
 
 def _folds(t: torch.Tensor) -> bool:
