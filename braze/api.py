@@ -133,7 +133,10 @@ def build_program(captured: capture.Captured, args: tuple[Any, ...]) -> Program:
     # The modules whose `training` the program was built for: those whose forward the capture
     # inlined, and those a lowering decided on (dropout). Other modules' flags change nothing.
     flags = {id(m): m for m in (*captured.traced, *lowered.reads_training)}
-    prog = Program(lowered, graph, timings, Guard(args, tuple(flags.values()), epoch, epoch[0]))
+    # Every parameter, also those only an ATen call reads (an nn.Module run unchanged): in grad
+    # mode, one that requires grad means autograd, which needs eager (as on the slow path).
+    params = tuple(captured.root.parameters())
+    prog = Program(lowered, graph, timings, Guard(args, tuple(flags.values()), params, epoch, epoch[0]))
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph

@@ -210,6 +210,8 @@ class Program:
         for name, p in zip(self.param_names, self.params):
             natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
             tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively))
+        ours = {id(p) for p in self.params}  # the rest, read by ATen calls: only requires_grad
+        tensors += [entry.TensorCheck(p, -1, -1, False) for p in guard.params if id(p) not in ours]
         outs = [fresh[v] for v in lowered.out_leaves] if self.native else []
         return entry.EntrySpec(
             n_args=lowered.n_args,
@@ -333,6 +335,7 @@ class Guard:
 
     args: tuple[Any, ...]  # the example arguments
     modules: tuple[torch.nn.Module, ...]  # whose `training` flags must stay as they were
+    params: tuple[torch.Tensor, ...]  # the model's parameters: none may require grad in grad mode
     epoch: Any  # the global module-change counter (a ctypes int64 cell, api.epoch)
     epoch_value: int  # and its value now
 

@@ -156,6 +156,21 @@ def test_grad_mode_runs_eagerly_and_keeps_autograd():
         check_model(model, (x,), compiled=compiled, kernels=2)
 
 
+def test_grad_mode_after_compiling_keeps_autograd_for_parameters_aten_reads():
+    # Found by hypothesis: a LayerNorm runs through ATen with its own weights, which are not the
+    # program's parameters; compiled under no_grad, the program then ran in grad mode and the
+    # native ReLU after it cut the output off autograd.
+    model = nn.Sequential(nn.LayerNorm(4), nn.ReLU()).eval()
+    compiled, x = braze.compile(model), torch.randn(3, 4)
+    with torch.no_grad():
+        check_model(model, (x,), compiled=compiled, externs=1)
+    with pytest.warns(braze.BrazeWarning, match="gradients"):
+        out = compiled(x)
+    assert out.requires_grad and out.grad_fn is not None
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+
+
 def test_a_fallback_warning_names_the_callers_line():
     model = lesson()
     compiled = braze.compile(model)
