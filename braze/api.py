@@ -217,8 +217,9 @@ class CompiledModule:
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
         try:
-            # GEMMs are native only in full float32 matmul precision: a program per precision
-            key = _signature(args) + self._trace_state() + (jit.matmul_precision(),)
+            # GEMMs are native only in full float32 matmul precision, and small ones run on one
+            # thread where MKL's thread count gives the same bits: a program per precision and count
+            key = _signature(args) + self._trace_state() + (jit.matmul_precision(), jit.mkl_threads())
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):

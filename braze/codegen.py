@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import llvmlite.ir as ll
 import torch
 
+from . import jit
 from .ir import COMPARE, Node, Op, TensorMeta
 
 F32, I64, I32, I8, I1 = ll.FloatType(), ll.IntType(64), ll.IntType(32), ll.IntType(8), ll.IntType(1)
@@ -184,7 +185,8 @@ class ModuleBuilder:
             self._loop_kernel(b, table, acc_meta, c, (copy,), {})
         blas = k.attrs["blas"]
         if blas["k"] > 0:
-            self._sgemm_call(b, table, blas, self.slot_of(m1), self.slot_of(m2), c, k.attrs["beta"])
+            one = k.attrs.get("one_thread", False)
+            self._sgemm_call(b, table, blas, self.slot_of(m1), self.slot_of(m2), c, k.attrs["beta"], one)
         elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
             zero = Node(acc_name, Op.MUL, (0.0, 0.0), acc_meta)
             self._loop_kernel(b, table, acc_meta, c, (zero,), {})
@@ -192,7 +194,15 @@ class ModuleBuilder:
             self._loop_kernel(b, table, k.meta, c, k.body, {acc_name: c})
 
     def _sgemm_call(
-        self, b: ll.IRBuilder, table: ll.Value, blas: dict, m1: Access, m2: Access, c: Access, beta: float
+        self,
+        b: ll.IRBuilder,
+        table: ll.Value,
+        blas: dict,
+        m1: Access,
+        m2: Access,
+        c: Access,
+        beta: float,
+        one_thread: bool,
     ) -> None:
         a, bm = (m2, m1) if blas["swap"] else (m1, m2)
         t = lambda flag: I8(ord("T" if flag else "N"))  # noqa: E731
@@ -209,7 +219,13 @@ class ModuleBuilder:
             _pointer(b, table, c),
             _ref(b, I32, I32(blas["ldc"])),
         ]
+        if not one_thread:
+            self._blas(b, "sgemm_", [PTR] * 13, args)
+            return
+        threads = self.declare(jit.MKL_SET_THREADS, I32, [I32])
+        before = b.call(threads, [I32(1)])  # this thread's MKL setting, restored after the call
         self._blas(b, "sgemm_", [PTR] * 13, args)
+        b.call(threads, [before])
 
     # --- BMM ---------------------------------------------------------------------------------
     def _bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:

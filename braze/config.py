@@ -34,6 +34,12 @@ parallel_threshold: int = _env_int("BRAZE_PARALLEL_THRESHOLD", 32768)
 # A native body releases the GIL around its kernels (so other Python threads run meanwhile) when
 # they do at least this many floating-point operations; below, the ~0.1 us it costs is not worth it.
 release_gil_flops: int = _env_int("BRAZE_RELEASE_GIL_FLOPS", 1 << 20)
+# GEMMs below this many floating-point operations call sgemm_ on one thread, where MKL gives the
+# same bits on one thread as on its thread count (probed when compiling; see jit.one_thread_same):
+# there, splitting the work between cores costs more than it saves (0.26 MFLOP: 8% slower on two
+# threads here; 1 MFLOP: 0-20% faster), and the core that runs the bias copy and the epilogue
+# keeps the whole output in its cache.
+one_thread_gemm_flops: int = _env_int("BRAZE_ONE_THREAD_GEMM_FLOPS", 1 << 19)
 # Set to 1 to skip native code entirely (every op goes through ATen); a debugging aid.
 disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
 # Programs compiled with this set count the CPU cycles their BLAS calls take (timing.split uses
@@ -54,6 +60,7 @@ _KNOBS = (
     "optimize_threshold",
     "parallel_threshold",
     "release_gil_flops",
+    "one_thread_gemm_flops",
     "disable_native",
     "blas_clock",
     "gc_freeze",

@@ -43,8 +43,9 @@ def _fusion(prog: Program) -> str:
         elif n.op is Op.GEMM:
             epi = " -> ".join(b.op.value for b in n.body)
             bias = "bias + " if n.inputs[2] is not None else ""
+            one = " (on one thread)" if n.attrs.get("one_thread") else ""
             lines.append(
-                f"  {n.name}: sgemm_ {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else "")
+                f"  {n.name}: sgemm_{one} {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else "")
             )
         elif n.op is Op.CAT:
             lines.append(f"  {n.name}: copies of {', '.join(n.inputs)} along dimension {n.attrs['dim']}")

@@ -19,9 +19,10 @@ The guard checks, for every tensor argument and every parameter native code read
 dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
 dtype, sizes and strides; and the thread's dispatch state (two words: dispatch modes, functorch
 transforms, autocast, inference mode), so that native code runs only where eager would run
-the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul precision. Tensors
-are read through ATen's C shim (the `aoti_torch_*` functions of libtorch) where it has a
-getter; a Python tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
+the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul precision (and
+MKL's thread count, where a GEMM runs on one thread). Tensors are read through ATen's C shim (the
+`aoti_torch_*` functions of libtorch) where it has a getter; a Python tensor object holds its
+at::Tensor at jit.TENSOR_OFFSET.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .jit import (
     GLOBAL_CONTEXT,
     KEYSET_OFFSET,
     MATMUL,
+    MKL_THREADS,
     MKLDNN,
     REQUIRES_GRAD,
     TENSOR_OFFSET,
@@ -84,6 +86,7 @@ class EntrySpec:
     epoch: Any  # ctypes int64 cell bumped when any module changes structure
     epoch_value: int
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
+    mkl_threads: int  # jit.mkl_threads() the one-thread GEMMs were probed for; -1: none
     outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout) allocated per call and returned
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes) of buffers kept across calls
@@ -95,7 +98,7 @@ class EntrySpec:
 
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
-    "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision "
+    "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
     "n_tensors tensors "
     "n_outputs outputs tuple_output n_scratch scratch scratch_total n_slots release_gil busy"
 ).split()
@@ -129,6 +132,7 @@ class Descriptor:
         self.set("epoch", ctypes.addressof(spec.epoch))
         self.set("epoch_value", spec.epoch_value)
         self.set("matmul_precision", spec.matmul_precision)
+        self.set("mkl_threads", spec.mkl_threads)
         self.set("n_args", spec.n_args)
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
@@ -335,6 +339,7 @@ class _Runtime:
         dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)
         require(b.icmp_signed("==", dtype, f("default_dtype")))
         self._check_matmul_precision(b, d, require)
+        self._check_mkl_threads(b, d, require)
         self._python_body(b, d, args, nargs)
         b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)
@@ -376,6 +381,14 @@ class _Runtime:
         with b.if_then(b.icmp_signed(">=", want, I64(0))):
             context = b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])
             have = b.call(self.mb.declare(FP32_PRECISION, I32, [PTR, I32, I32]), [context, I32(MKLDNN), I32(MATMUL)])
+            require(b.icmp_signed("==", b.sext(have, I64), want))
+
+    def _check_mkl_threads(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
+        """MKL runs on as many threads as when the program's one-thread GEMMs were probed: on
+        another count, eager's GEMMs may give other bits."""
+        want = self.field(b, d, "mkl_threads")
+        with b.if_then(b.icmp_signed(">=", want, I64(0))):
+            have = b.call(self.mb.declare(MKL_THREADS, I32, []), [])
             require(b.icmp_signed("==", b.sext(have, I64), want))
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:

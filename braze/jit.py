@@ -47,6 +47,10 @@ GLOBAL_CONTEXT = "_ZN2at13globalContextEv"
 FP32_PRECISION = "_ZNK2at7Context16float32PrecisionENS_14Float32BackendENS_9Float32OpE"
 MKLDNN, MATMUL = 2, 3
 FULL_PRECISION = (0, 1)
+# MKL's thread count for its calls from this thread (torch.set_num_threads sets it per thread), and
+# the per-thread override a one-thread GEMM sets around its sgemm_ (it returns the one it replaced).
+MKL_THREADS = "MKL_Get_Max_Threads"
+MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
 
 _C_API = (
     "PyObject_Vectorcall",
@@ -88,7 +92,7 @@ def _address(lib: Any, name: str) -> int:
 
 def _bind_symbols() -> None:
     cpu, libc = _torch_lib("libtorch_cpu.so"), ctypes.CDLL(None)
-    for name in ("sgemm_", "cblas_sgemm_batch"):
+    for name in ("sgemm_", "cblas_sgemm_batch", MKL_THREADS, MKL_SET_THREADS):
         llvm.add_symbol(name, _address(cpu, name))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"):
@@ -144,6 +148,57 @@ def _precision_fns() -> tuple[Any, Any]:
         _address(cpu, FP32_PRECISION)
     )
     return context, precision
+
+
+def mkl_threads() -> int:
+    """The number of threads MKL's sgemm_ runs on when this thread calls it, as native code reads it."""
+    return _torch_lib("libtorch_cpu.so").MKL_Get_Max_Threads()
+
+
+def one_thread_same(blas: dict[str, Any], beta: float) -> bool:
+    """Whether sgemm_ with these arguments (lowering.blas_args) gives the same bits on one thread
+    as on mkl_threads().
+
+    MKL splits a GEMM between threads in ways that can change its order of operations: 7x64x64
+    differs in 37% of its outputs between one and two threads here, 32x64x64 in none. Probed on
+    random data (an order that differs shows in a large share of the outputs), twice: with every
+    matrix 64-byte aligned and with each one float off. Cached per arguments and thread count.
+    """
+    call = tuple(blas[a] for a in ("ta", "tb", "m", "n", "k", "lda", "ldb", "ldc"))
+    return _one_thread_same(call, beta, mkl_threads())
+
+
+@functools.cache
+def _one_thread_same(call: tuple, beta: float, threads: int) -> bool:
+    ta, tb, m, n, k, lda, ldb, ldc = call
+    gen = torch.Generator().manual_seed(0)  # the user's random stream stays untouched
+    sizes = (lda * (m if ta else k), ldb * (k if tb else n), ldc * n)
+    cpu = _torch_lib("libtorch_cpu.so")
+    for skew in (0, 1):
+        a, b, c = (torch.randn(size + skew, generator=gen)[skew:] for size in sizes)
+        threaded, alone = c.clone(), c.clone()
+        _sgemm(call, a, b, beta, threaded)
+        before = cpu.MKL_Set_Num_Threads_Local(1)
+        try:
+            _sgemm(call, a, b, beta, alone)
+        finally:
+            cpu.MKL_Set_Num_Threads_Local(before)
+        if not torch.equal(threaded.view(torch.int32), alone.view(torch.int32)):
+            return False
+    return True
+
+
+def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.Tensor) -> None:
+    """sgemm_ through ctypes (column-major, alpha 1) on tensors' memory; call = (ta, tb, m, n, k,
+    lda, ldb, ldc)."""
+    ta, tb, m, n, k, lda, ldb, ldc = call
+    i32 = lambda v: ctypes.byref(ctypes.c_int32(v))  # noqa: E731
+    f32 = lambda v: ctypes.byref(ctypes.c_float(v))  # noqa: E731
+    flag = lambda t: ctypes.byref(ctypes.c_char(b"T" if t else b"N"))  # noqa: E731
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    sizes = (i32(m), i32(n), i32(k))
+    operands = (ptr(a), i32(lda), ptr(b), i32(ldb), f32(beta), ptr(c), i32(ldc))
+    _torch_lib("libtorch_cpu.so").sgemm_(flag(ta), flag(tb), *sizes, f32(1.0), *operands)
 
 
 def dispatch_keys(t: torch.Tensor) -> int:

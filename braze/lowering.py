@@ -588,7 +588,17 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
     if args is None:
         raise NotNative("layout ATen copies before its GEMM")
     inputs = (m1.name, m2.name, bias.name if bias is not None and beta != 0 else None)
-    return lw.emit(Op.GEMM, inputs, out, beta=float(beta) if bias is not None else 0.0, blas=args)
+    beta = float(beta) if bias is not None else 0.0
+    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, one_thread=_one_thread(args, beta))
+
+
+def _one_thread(blas: dict[str, Any], beta: float) -> bool:
+    """Whether this small GEMM may call sgemm_ on one thread: only where MKL gives the bits it
+    gives on its own thread count (the entry then checks that count on every call)."""
+    flops = 2 * blas["m"] * blas["n"] * blas["k"]
+    if not 0 < flops < config.one_thread_gemm_flops or jit.mkl_threads() == 1:
+        return False
+    return jit.one_thread_same(blas, beta)
 
 
 # --- output layouts of the GEMM family, without their Python meta kernels (see _example_call) ---

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from . import config, entry
 from .codegen import Access, ModuleBuilder, Segment
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module, matmul_precision, pyfunction
+from .jit import compile_module, matmul_precision, mkl_threads, pyfunction
 from .lowering import Lowered, Sym
 
 MISS = object()  # what an entry returns for a call it was not compiled for, unless told otherwise
@@ -221,6 +221,7 @@ class Program:
             epoch=guard.epoch,
             epoch_value=guard.epoch_value,
             matmul_precision=matmul_precision() if self._gemms() else -1,
+            mkl_threads=mkl_threads() if self._one_thread_gemms() else -1,
             outputs=tuple((slot[o], self.alloc[o]) for o in outs),
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=tuple((self.layout.tmp_slot[b], nb) for b, nb in self.layout.scratch_bytes.items())
@@ -283,6 +284,9 @@ class Program:
     def _gemms(self) -> list[dict[str, Any]]:
         """The BLAS arguments of each native GEMM and batched GEMM."""
         return [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
+
+    def _one_thread_gemms(self) -> bool:
+        return any(k.attrs.get("one_thread", False) for s in self.segments for k in s.kernels)
 
     def _flops(self) -> int:
         """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element."""

@@ -1,5 +1,5 @@
 """Hypothesis draws sequences of calls of one compiled wrapper, each with another input layout,
-dtype, mode, model state or float32 matmul precision; each call must answer as eager does (the
+dtype, mode, model state, float32 matmul precision or thread count; each call must answer as eager does (the
 same values, or the same kind of exception). The native guard decides, call by call, whether
 machine code may run."""
 
@@ -57,7 +57,7 @@ calls = st.lists(
         st.sampled_from(["contiguous", "transposed", "strided", "broadcast", "negated", "wide"]),
         st.sampled_from([torch.float32, torch.float32, torch.float64]),
         st.sampled_from(list(_MODES)),
-        st.sampled_from(["eval", "train-dropout", "train-all", "new-weights", "bf16-matmul"]),
+        st.sampled_from(["eval", "train-dropout", "train-all", "new-weights", "bf16-matmul", "three-threads"]),
     ),
     min_size=2,
     max_size=8,
@@ -89,8 +89,9 @@ def test_every_call_answers_as_eager_does(sequence):
             with torch.no_grad():
                 model.fc1.weight.copy_(torch.randn(16, 8))
         x = _input(rows, layout, dtype)
-        precision = torch.backends.mkldnn.matmul.fp32_precision
+        precision, threads = torch.backends.mkldnn.matmul.fp32_precision, torch.get_num_threads()
         torch.backends.mkldnn.matmul.fp32_precision = "bf16" if state == "bf16-matmul" else "none"
+        torch.set_num_threads(3 if state == "three-threads" else 2)
         try:
             expected = _outcome(model, x, mode)
             with warnings.catch_warnings():
@@ -98,6 +99,7 @@ def test_every_call_answers_as_eager_does(sequence):
                 actual = _outcome(compiled, x, mode)
         finally:
             torch.backends.mkldnn.matmul.fp32_precision = precision
+            torch.set_num_threads(threads)
         if isinstance(expected, type):
             assert actual is expected, (rows, layout, dtype, mode, state, actual)
         else:

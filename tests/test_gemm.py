@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from braze import config
+
 from .helpers import check_model
 
 DIMS = [1, 7, 33, 64, 257]
@@ -164,3 +166,54 @@ def test_a_matmul_precision_set_after_compiling_is_followed(setting):
             torch.backends.mkldnn.matmul.fp32_precision = before
         check_model(fn, args, compiled=compiled)
         assert len(compiled.programs()) == 2  # the first program again, not a third
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count (MKL's too) for the test; put it back after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _one_thread(compiled) -> list[bool]:
+    kernels = [k for s in compiled.programs()[-1].segments for k in s.kernels]
+    return [k.attrs["one_thread"] for k in kernels if k.op.value == "gemm"]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 33, 257])
+def test_small_gemms_run_on_one_thread_only_where_mkl_gives_the_same_bits(rows, threads):
+    # The oracle is eager's own addmm on one thread and on two: where they differ (here 7 rows,
+    # where MKL orders the sums differently on two threads), braze keeps MKL's two threads.
+    w, b, x = torch.randn(64, 64), torch.randn(64), torch.randn(rows, 64)
+    eager = []
+    for n in (1, 2):
+        threads(n)
+        eager.append(F.linear(x, w, b).view(torch.int32))
+    compiled = check_model(lambda x: F.linear(x, w, b), (x,), kernels=1)
+    small = 2 * rows * 64 * 64 < config.one_thread_gemm_flops
+    assert _one_thread(compiled) == [small and torch.equal(*eager)]
+
+
+def test_a_thread_count_set_after_compiling_is_followed(threads):
+    # GEMMs probed for two threads run on one; on three threads eager's MKL may order its sums
+    # otherwise, so that program must not run (here a second one compiles); back on two, the
+    # first runs again.
+    threads(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
+    x = torch.randn(32, 64)
+    compiled = check_model(model, (x,), externs=0)
+    assert _one_thread(compiled) == [True, True]
+    threads(3)
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.programs()) == 2
+    threads(2)
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.programs()) == 2
+
+
+def test_one_thread_gemms_are_a_knob(threads):
+    threads(2)
+    with config.patch(one_thread_gemm_flops=0):
+        compiled = check_model(torch.nn.Linear(64, 64), (torch.randn(32, 64),), kernels=1)
+    assert _one_thread(compiled) == [False]
