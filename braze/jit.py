@@ -3,9 +3,10 @@ points callable from Python.
 
 One MCJIT engine per process (per instruction-selection level); modules are added to it. The
 symbols generated code calls are bound to the exact functions the process already loaded:
-MKL's `sgemm_` inside libtorch_cpu (the routine eager's addmm calls), the libgomp that ATen's
-parallel_for uses, CPython's C API, and ATen's C shim (the AOTInductor `aoti_torch_*` functions)
-for tensor data pointers, layouts and allocation.
+MKL's `sgemm_` inside libtorch_cpu (the routine eager's addmm calls) and its thread count, the
+libgomp that ATen's parallel_for uses, CPython's C API, and ATen's C shim (the AOTInductor
+`aoti_torch_*` functions) for tensor data pointers, layouts and allocation. Also here: the probe
+that decides whether a small GEMM may run on one thread (one_thread_same).
 """
 
 from __future__ import annotations
