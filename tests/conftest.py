@@ -10,3 +10,11 @@ def _strict():
     torch.manual_seed(0)
     with config.patch(verify=True):
         yield
+
+
+@pytest.fixture
+def threads():
+    """torch.set_num_threads (MKL's count too) for one test; the count is put back after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

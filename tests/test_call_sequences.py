@@ -1,7 +1,7 @@
 """Hypothesis draws sequences of calls of one compiled wrapper, each with another input layout,
-dtype, mode, model state, float32 matmul precision or thread count; each call must answer as eager does (the
-same values, or the same kind of exception). The native guard decides, call by call, whether
-machine code may run."""
+dtype, mode, model state, float32 matmul precision or thread count; each call must answer as
+eager does (the same values, or the same kind of exception). The native guard decides, call by
+call, whether machine code may run."""
 
 from __future__ import annotations
 

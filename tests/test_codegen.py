@@ -53,14 +53,10 @@ def test_gemm_calls_mkl_with_atens_arguments():
     assert ir.count('call void @"sgemm_"') == 1 and "MKL_Set_Num_Threads_Local" not in ir
 
 
-def test_a_one_thread_gemm_sets_mkls_threads_around_its_call_only():
+def test_a_one_thread_gemm_sets_mkls_threads_around_its_call_only(threads):
     w, b = torch.randn(10, 64), torch.randn(10)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        ir = report(lambda x: F.linear(x, w, b), torch.randn(32, 64))["LLVM IR"]
-    finally:
-        torch.set_num_threads(before)
+    threads(2)
+    ir = report(lambda x: F.linear(x, w, b), torch.randn(32, 64))["LLVM IR"]
     calls = [line.split("@")[1].split("(")[0] for line in ir.splitlines() if "call" in line and "@" in line]
     set_threads = '"MKL_Set_Num_Threads_Local"'
     assert calls[calls.index('"sgemm_"') - 1 : calls.index('"sgemm_"') + 2] == [set_threads, '"sgemm_"', set_threads]

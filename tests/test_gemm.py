@@ -168,14 +168,6 @@ def test_a_matmul_precision_set_after_compiling_is_followed(setting):
         assert len(compiled.programs()) == 2  # the first program again, not a third
 
 
-@pytest.fixture
-def threads():
-    """Set torch's thread count (MKL's too) for the test; put it back after."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 def _one_thread(compiled) -> list[bool]:
     kernels = [k for s in compiled.programs()[-1].segments for k in s.kernels]
     return [k.attrs["one_thread"] for k in kernels if k.op.value == "gemm"]
