@@ -176,7 +176,7 @@ def _one_thread_same(call: tuple, beta: float, threads: int) -> bool:
     sizes = (lda * (m if ta else k), ldb * (k if tb else n), ldc * n)
     cpu = _torch_lib("libtorch_cpu.so")
     for skew in (0, 1):
-        a, b, c = (torch.randn(size + skew, generator=gen)[skew:] for size in sizes)
+        a, b, c = (torch.randn(size + skew, generator=gen, dtype=torch.float32)[skew:] for size in sizes)
         threaded, alone = c.clone(), c.clone()
         _sgemm(call, a, b, beta, threaded)
         before = cpu.MKL_Set_Num_Threads_Local(1)

@@ -209,3 +209,26 @@ def test_one_thread_gemms_are_a_knob(threads):
     with config.patch(one_thread_gemm_flops=0):
         compiled = check_model(torch.nn.Linear(64, 64), (torch.randn(32, 64),), kernels=1)
     assert _one_thread(compiled) == [False]
+
+
+def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
+    # float64 memory read as float32 by sgemm_ is mostly huge, tiny or NaN values: it could hide
+    # an order that changed.
+    from braze import jit
+
+    seen, sgemm = [], jit._sgemm
+
+    def recording(call, a, b, beta, c):  # noqa: ANN001, ANN202
+        seen.extend((a, b, c))
+        return sgemm(call, a, b, beta, c)
+
+    monkeypatch.setattr(jit, "_sgemm", recording)
+    threads(2)
+    jit._one_thread_same.cache_clear()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        jit.one_thread_same(dict(ta=True, tb=False, m=64, n=32, k=64, lda=64, ldb=64, ldc=64), 1.0)
+    finally:
+        torch.set_default_dtype(before)
+    assert len(seen) == 12 and all(t.dtype == torch.float32 for t in seen)  # 2 alignments x 2 calls
