@@ -54,9 +54,11 @@ class Lowered:
     reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
 
 
-def to_meta(t: torch.Tensor) -> torch.Tensor:
+def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A meta tensor with t's layout, of t's dtype or `dtype` (built without Python meta kernels,
+    the first of which would import sympy: ~0.3 s)."""
     m = TensorMeta.of(t)
-    base = torch.empty(max(m.span, 1), dtype=t.dtype, device="meta")
+    base = torch.empty(max(m.span, 1), dtype=dtype or t.dtype, device="meta")
     return base.as_strided(m.shape, m.stride, m.offset)
 
 
@@ -451,6 +453,52 @@ def _relu6(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return _clamp_bounds(lw, 0.0, 6.0, args[0], out)
 
 
+def _hardsigmoid(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's hardsigmoid: min(max(x + 3, 0), 6) / 6, in that order."""
+    return lw.elementwise(Op.DIV, (_shifted_relu6(lw, args[0], out), 6.0), out)
+
+
+def _hardswish(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's hardswish: x * min(max(x + 3, 0), 6) / 6, in that order."""
+    scaled = lw.elementwise(Op.MUL, (args[0], _shifted_relu6(lw, args[0], out)), out)
+    return lw.elementwise(Op.DIV, (scaled, 6.0), out)
+
+
+def _shifted_relu6(lw: Lowerer, x: Any, out: Any) -> Sym:
+    return _clamp_bounds(lw, 0.0, 6.0, lw.elementwise(Op.ADD, (x, 3.0), out), out)
+
+
+def _threshold(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's threshold: x <= threshold ? value : x (NaN stays)."""
+    if isinstance(fn, torch.nn.Module):
+        threshold, value = fn.threshold, fn.value
+    else:
+        threshold = args[1] if len(args) > 1 else kwargs["threshold"]
+        value = args[2] if len(args) > 2 else kwargs["value"]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (threshold, value)):
+        raise NotNative("threshold with tensor bounds")
+    below = lw.elementwise(Op.LE, (args[0], threshold), to_meta(out, torch.bool))
+    return lw.elementwise(Op.WHERE, (below, value, args[0]), out)
+
+
+def _prelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's prelu: the weight reshaped to lie along dimension 1, then x > 0 ? x : weight * x."""
+    x = args[0]
+    if isinstance(fn, torch.nn.PReLU):
+        w = lw.param(fn.weight, "weight")
+    else:
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+    if not (isinstance(x, Sym) and isinstance(w, Sym) and x.is_tensor and w.is_tensor):
+        raise NotNative("prelu of non-tensors")
+    if w.meta.dim() == 1:
+        shape = [1] * x.meta.dim()
+        if len(shape) > 1:
+            shape[1] = w.meta.numel()
+        w = lw.view(w, lambda t: t.reshape(shape))
+    above = lw.elementwise(Op.GT, (x, 0.0), to_meta(out, torch.bool))
+    return lw.elementwise(Op.WHERE, (above, x, lw.elementwise(Op.MUL, (w, x), out)), out)
+
+
 def _where(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     _no_out(kwargs)
     if len(args) != 3:
@@ -761,6 +809,10 @@ def _rows() -> None:
     register(torch.clamp, torch.clip, "clamp", "clip", "clamp_", "clip_")(_clamp)
     register(F.hardtanh, F.hardtanh_, nn.Hardtanh)(_hardtanh_any)
     register(F.relu6, nn.ReLU6)(_relu6)
+    register(F.hardsigmoid, nn.Hardsigmoid)(_hardsigmoid)
+    register(F.hardswish, nn.Hardswish)(_hardswish)
+    register(F.threshold, F.threshold_, torch.threshold, nn.Threshold)(_threshold)
+    register(F.prelu, torch.prelu, nn.PReLU)(_prelu)
     register(torch.where, "where")(_where)
     register(nn.Identity)(_identity)
     register(F.dropout, nn.Dropout)(_dropout)

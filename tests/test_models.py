@@ -571,3 +571,30 @@ def test_a_lowering_that_returns_an_aten_result_unchanged():
     # contiguous() of a contiguous ATen result hands back that result itself; it was once marked
     # as aliasing itself, and the memory planner looped forever (bert-tiny and gpt2-tiny hung).
     check_model(lambda x: torch.tanh(x).contiguous() * 2, (torch.randn(7, 33),), externs=1)
+
+
+def test_a_first_call_imports_no_sympy():
+    # torch's Python meta kernels import sympy on first use (~0.3 s, six times the first-call
+    # budget): lowering must learn layouts without them. A fresh process, so nothing else has
+    # imported it; one model with each kind of native lowering.
+    script = textwrap.dedent(
+        """
+        import sys, torch, braze, torch.nn as nn, torch.nn.functional as F
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc, self.act = nn.Linear(16, 16), nn.Sequential(nn.PReLU(), nn.Hardswish())
+            def forward(self, x, y):
+                h = self.act(self.fc(x)).t().contiguous().t()
+                h = torch.cat([F.threshold(h, 0.1, 0.0), h.masked_fill(h > 1, 1.0)], -1)
+                return torch.bmm(h.view(2, 4, 32), y) ** 2, torch.where(h < 0.5, h, -h)
+        net, args = Net(), (torch.randn(8, 16), torch.randn(2, 32, 8))
+        compiled = braze.compile(net)
+        with torch.no_grad():
+            same = all(torch.equal(a, b) for a, b in zip(compiled(*args), net(*args)))
+        print(same, len(compiled.programs()[0].externs), "sympy" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "0", "False"]  # equal, all native, no sympy

@@ -58,6 +58,10 @@ NATIVE = [
     ("reciprocal", torch.reciprocal, 1),
     ("hardtanh", F.hardtanh, 1),
     ("relu6", F.relu6, 1),
+    ("hardsigmoid", F.hardsigmoid, 1),
+    ("hardswish", torch.nn.Hardswish(), 1),
+    ("threshold", lambda x: F.threshold(x, 0.25, -2.0), 1),
+    ("prelu", torch.nn.PReLU(init=0.3), 1),
     ("lt", operator.lt, 2),
     ("le", torch.le, 2),
     ("gt", torch.gt, 2),
@@ -88,6 +92,14 @@ def test_where_native_with_bool_input():
     check_model(lambda a, b: torch.where(a > b, a, b * 2), (x, y), kernels=1, externs=0)  # compare fused
     check_model(lambda a: a.masked_fill(a.t().t() > 0.5, 0.5), (x,), kernels=1, externs=0)
     check_model(lambda a, b: (a < b) | (a > 2), (x, y), kernels=2, externs=1)  # | on bools: ATen
+
+
+def test_prelu_weights_lie_along_dimension_one():
+    # ATen reshapes a weight of C values to (1, C, 1, ...); a single weight broadcasts anywhere.
+    check_model(torch.nn.PReLU(33, init=0.1), (special(7, 33),), kernels=1, externs=0)
+    check_model(torch.nn.PReLU(6), (special(2, 6, 5),), kernels=1, externs=0)
+    check_model(torch.nn.PReLU(), (special(5),), kernels=1, externs=0)
+    check_model(lambda x, w: F.prelu(x.t(), w), (special(6, 4), torch.randn(6)), kernels=1, externs=0)
 
 
 def test_pow_exponents_aten_computes_with_std_pow_run_through_aten():

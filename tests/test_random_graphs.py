@@ -21,6 +21,9 @@ ACTS = {
     "cat": lambda t: torch.cat([t, -t], -1)[..., ::2],
     "masked": lambda t: t.masked_fill(t > 0.5, 0.5),
     "where": lambda t: torch.where(t >= 0, t, t * 0.1),
+    "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid,
+    "threshold": lambda t: F.threshold(t, 0.1, -1.0),
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,
 }
