@@ -170,7 +170,7 @@ def one_thread_same(blas: dict[str, Any], beta: float) -> bool:
 
 
 @functools.cache
-def _one_thread_same(call: tuple, beta: float, threads: int) -> bool:
+def _one_thread_same(call: tuple, beta: float, threads: int) -> bool:  # threads: in the cache key
     ta, tb, m, n, k, lda, ldb, ldc = call
     gen = torch.Generator().manual_seed(0)  # the user's random stream stays untouched
     sizes = (lda * (m if ta else k), ldb * (k if tb else n), ldc * n)
