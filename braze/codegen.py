@@ -69,13 +69,21 @@ class ModuleBuilder:
     def _cycles(self, b: ll.IRBuilder) -> ll.Value:
         return b.call(self.declare("llvm.readcyclecounter", I64, []), [])
 
-    def _blas(self, b: ll.IRBuilder, name: str, types: list[ll.Type], args: list[ll.Value]) -> None:
-        """Call BLAS routine `name`; with the clock on, add the cycles it took to the counter."""
+    def _blas(
+        self, b: ll.IRBuilder, name: str, types: list[ll.Type], args: list[ll.Value], one_thread: bool = False
+    ) -> None:
+        """Call BLAS routine `name`, on one thread if asked (this thread's MKL setting is set
+        around the call and restored); with the clock on, add the cycles the call itself took
+        to the counter."""
+        threads = self.declare(jit.MKL_SET_THREADS, I32, [I32]) if one_thread else None
+        before = b.call(threads, [I32(1)]) if threads is not None else None
         start = self._cycles(b) if self.clock is not None else None
         b.call(self.declare(name, VOID, types), args)
         if self.clock is not None:
             took = b.sub(self._cycles(b), start)
             b.store(b.add(b.load(self.clock, typ=I64), took), self.clock)
+        if threads is not None:
+            b.call(threads, [before])
 
     def cstring(self, name: str, text: str) -> ll.GlobalVariable:
         """A NUL-terminated string constant (emitted once per name)."""
@@ -219,13 +227,7 @@ class ModuleBuilder:
             _pointer(b, table, c),
             _ref(b, I32, I32(blas["ldc"])),
         ]
-        if not one_thread:
-            self._blas(b, "sgemm_", [PTR] * 13, args)
-            return
-        threads = self.declare(jit.MKL_SET_THREADS, I32, [I32])
-        before = b.call(threads, [I32(1)])  # this thread's MKL setting, restored after the call
-        self._blas(b, "sgemm_", [PTR] * 13, args)
-        b.call(threads, [before])
+        self._blas(b, "sgemm_", [PTR] * 13, args, one_thread)
 
     # --- BMM ---------------------------------------------------------------------------------
     def _bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
