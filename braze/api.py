@@ -359,8 +359,9 @@ class CompiledModule:
 def _dynamo_fallback(wrapper: CompiledModule, why: str) -> Callable[..., Any] | None:
     """Hand the model to TorchDynamo with braze as backend; None (eager) if that is impossible."""
     try:
-        from .backend import braze_backend
+        from .backend import braze_backend, exact
 
+        @exact
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             sub = braze_backend(gm, example_inputs)
             wrapper._subgraphs.append(sub)

@@ -2,10 +2,18 @@
 
 Registered through the `torch_dynamo_backends` entry point (pyproject.toml), so importing
 braze never imports TorchDynamo.
+
+TorchDynamo rewrites a few calls while it traces, into other arithmetic than eager's: it hands
+the backend `torch.addcdiv(a, b, c, value=v)` as `a + (b / c) * v` where ATen computes
+`a + v * b / c`, and `Tensor.add_`/`addcmul_`/`addcdiv_` with a tensor scalar as an FMA of
+other operands. (Its own eager backend then differs from eager too.) braze promises eager's
+bits, so those rewrites decline when the frame being traced is for a braze backend: the graph
+then holds the calls as the user wrote them. Traces for other backends are unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +22,66 @@ import torch
 from .api import CompiledModule
 from .capture import from_graph_module
 
+# TorchDynamo's handlers that trace a call as other arithmetic: (class, attribute) for methods
+# of a variable class, or a torch function whose special handler it is.
+_TENSOR_METHODS = ("method_add_", "method_addcmul_", "method_addcdiv_")
+_TORCH_FUNCTIONS = ("addcdiv", "_foreach_pow", "_foreach_lerp_")
 
+
+# Where TorchDynamo's and torch.compile's wrappers of a backend keep it.
+_WRAPPED = ("compiler_fn", "_torchdynamo_orig_backend", "func")
+
+
+def _for_braze(tx: Any) -> bool:
+    """Whether the frame `tx` traces is compiled by a braze backend (through TorchDynamo's and
+    torch.compile's wrappers of it)."""
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(8):
+        if fn is None:
+            return False
+        if getattr(fn, "braze_exact", False):
+            return True
+        fn = next((getattr(fn, a) for a in _WRAPPED if hasattr(fn, a)), None)
+    return False
+
+
+def _declining(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original`, except that it handles nothing (returns None) in a trace for braze."""
+
+    @functools.wraps(original)
+    def handler(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        if _for_braze(tx):
+            return None
+        return original(self, tx, *args, **kwargs)
+
+    return handler
+
+
+@functools.cache
+def keep_eager_arithmetic() -> None:
+    """Make TorchDynamo's rewriting handlers decline in traces for braze (once per process).
+    On a TorchDynamo without them there is nothing to do."""
+    from torch._dynamo.variables.tensor import TensorVariable
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    for name in _TENSOR_METHODS:
+        if name in vars(TensorVariable):
+            setattr(TensorVariable, name, _declining(getattr(TensorVariable, name)))
+    handlers = TorchInGraphFunctionVariable._get_handlers()
+    for name in _TORCH_FUNCTIONS:
+        fn = getattr(torch, name, None)
+        if fn in handlers:
+            handlers[fn] = _declining(handlers[fn])
+
+
+def exact(backend: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `backend` as braze's, so TorchDynamo traces eager's arithmetic for it."""
+    keep_eager_arithmetic()
+    backend.braze_exact = True  # type: ignore[attr-defined]
+    return backend
+
+
+@exact
 def braze_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """A TorchDynamo backend: returns a braze wrapper of `gm` (compiled on its first call)."""
     wrapper = CompiledModule(gm)

@@ -7,8 +7,11 @@ its backend, and if that fails too it runs eagerly with one warning.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +74,61 @@ class _NoUntracedRandom(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Functions that set the random generator's state. Called in forward, they would run once, while
+# tracing, where eager runs them every call (seeded dropout, OpInfo's wrapper_set_seed): seeing
+# one, capture fails and TorchDynamo runs. They are replaced only while some thread traces (and
+# only that thread's calls fail), so TorchDynamo and everyone else see torch's own functions.
+_RNG_SETTERS = (
+    (torch, "manual_seed"),
+    (torch, "seed"),
+    (torch, "set_rng_state"),
+    (torch.random, "manual_seed"),
+    (torch.random, "seed"),
+    (torch.random, "set_rng_state"),
+)
+_tracing = threading.local()
+_guard_lock = threading.Lock()
+_guard_users = [0]
+
+
+def _rng_guarded(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def setter(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_tracing, "active", False):
+            raise CaptureError(f"{original.__name__} in forward would run only while tracing")
+        return original(*args, **kwargs)
+
+    return setter
+
+
+_ORIGINALS = [(m, name, getattr(m, name)) for m, name in _RNG_SETTERS]
+_GUARDED = [(m, name, _rng_guarded(fn)) for m, name, fn in _ORIGINALS]
+
+
+@contextlib.contextmanager
+def _no_rng_setters() -> Iterator[None]:
+    with _guard_lock:
+        _guard_users[0] += 1
+        if _guard_users[0] == 1:
+            for m, name, fn in _GUARDED:
+                setattr(m, name, fn)
+    _tracing.active = True
+    try:
+        yield
+    finally:
+        _tracing.active = False
+        with _guard_lock:
+            _guard_users[0] -= 1
+            if _guard_users[0] == 0:
+                for m, name, fn in _ORIGINALS:
+                    setattr(m, name, fn)
+
+
 def trace(fn: Callable[..., Any], n_args: int) -> Captured:
     """Symbolically trace `fn` (an nn.Module or a function of tensors) into an FX graph."""
     tracer = _Tracer()
     try:
-        with _NoUntracedRandom():
+        with _NoUntracedRandom(), _no_rng_setters():
             graph = tracer.trace(_traceable(fn, n_args))
     except Exception as e:  # FX raises many kinds: TraceError, TypeError, NotImplementedError...
         raise CaptureError(f"torch.fx could not trace {_name(fn)}: {type(e).__name__}: {e}") from e
@@ -86,14 +139,21 @@ def trace(fn: Callable[..., Any], n_args: int) -> Captured:
 
 
 def _traceable(fn: Callable[..., Any], n_args: int) -> Callable[..., Any]:
-    """FX traces Python functions and modules; give builtins such as torch.relu a Python body
-    that takes as many arguments as the first call passed."""
-    if isinstance(fn, torch.nn.Module) or inspect.isfunction(fn) or inspect.ismethod(fn):
+    """FX traces Python functions and modules; give builtins such as torch.relu, and functions
+    of `*args` (which FX would hand one proxy for all of them), a Python body that takes as many
+    arguments as the first call passed."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    if (inspect.isfunction(fn) or inspect.ismethod(fn)) and not _var_positional(fn):
         return fn
     names = [f"a{i}" for i in range(n_args)]
     ns: dict[str, Any] = {"fn": fn}
     exec(f"def call({', '.join(names)}):\n    return fn({', '.join(names)})", ns)
     return ns["call"]
+
+
+def _var_positional(fn: Callable[..., Any]) -> bool:
+    return any(p.kind is p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
 
 
 def from_graph_module(gm: torch.fx.GraphModule) -> Captured:

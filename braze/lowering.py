@@ -41,7 +41,8 @@ class Sym:
 
     @property
     def is_tensor(self) -> bool:
-        return isinstance(self.meta, torch.Tensor)
+        """A strided tensor (a sparse or other result of an ATen call is an opaque value)."""
+        return _strided(self.meta)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Lowered:
     externs: list[tuple[str, str]]  # (op, why) for every EXTERN node
     n_args: int  # positional arguments the program takes
     reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
+    layout_read: frozenset[str] = frozenset()  # see Lowerer.layout_read
 
 
 def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -80,8 +82,12 @@ class Lowerer:
         self.nodes: list[Node] = []
         self.inputs: list[str] = []
         self.param_syms: dict[int, Sym] = {}
-        self.base: dict[str, str] = {}  # view (or in-place extern result) -> the value owning memory
+        self.base: dict[str, str] = {}  # view (or aliasing extern result) -> the value owning memory
+        self.view_root: dict[str, str] = {}  # VIEW -> the value it is addressed from
         self.viewed: set[str] = set()
+        # Values whose layout a compile-time decision rests on (a native op or view reads it, a
+        # size query was folded): an EXTERN result among them is checked at run time.
+        self.layout_read: set[str] = set()
         self.ops: dict[str, Op] = {}
         self.externs: list[tuple[str, str]] = []
         self.reads_training: list[torch.nn.Module] = []
@@ -91,7 +97,7 @@ class Lowerer:
     # --- building IR -------------------------------------------------------------------------
     def emit(self, op: Op, inputs: tuple[Operand, ...], meta: Any, prefix: str = "v", **attrs: Any) -> Sym:
         name = f"{prefix}{len(self.nodes)}"
-        tmeta = TensorMeta.of(meta) if isinstance(meta, torch.Tensor) else None
+        tmeta = TensorMeta.of(meta) if _strided(meta) else None
         self.nodes.append(Node(name, op, inputs, tmeta, attrs))
         self.ops[name] = op
         return Sym(name, meta)
@@ -114,10 +120,13 @@ class Lowerer:
         if res is example:
             return src
         if _aliased(res, {src.name: example}) is not None:
-            base = self.owner(src.name)
-            self.viewed.add(base)
-            sym = self.emit(Op.VIEW, (base,), to_meta(res))
-            self.base[sym.name] = base
+            # An EXTERN result that aliases memory is addressed from its own data pointer: a
+            # value-decided view (narrow with a tensor start) moves from call to call.
+            root = self.view_root.get(src.name, src.name)
+            self.viewed.update((root, self.owner(root)))
+            sym = self.emit(Op.VIEW, (root,), to_meta(res))
+            self.base[sym.name] = self.owner(root)
+            self.view_root[sym.name] = root
         elif tuple(res.shape) != tuple(example.shape):
             # reshape of a layout no view can express: ATen copies to contiguous, then views.
             copied = self.emit(Op.COPY, (src.name,), torch.empty(example.shape, dtype=res.dtype, device="meta"))
@@ -128,7 +137,8 @@ class Lowerer:
         return sym
 
     def example(self, s: Sym) -> Any:
-        """A real tensor laid out like `s` (zeros), or the real result an EXTERN produced."""
+        """The real value of `s` in the first call (an argument's copy, or what an op gave
+        when lowering ran it), else a tensor of zeros laid out like `s`."""
         if s.name not in self.real:
             if not s.is_tensor:
                 raise Unsupported(f"{s.name} has no example value")
@@ -183,6 +193,9 @@ class Lowerer:
             return value  # specialised: the runtime guards the exact value
         sym = self.emit(Op.INPUT, (), to_meta(value), "x", label=node.name, index=index)
         self.inputs.append(sym.name)
+        # Ops run on the first call's values, as eager runs them: a data-dependent result then
+        # has eager's first layout, and an op that rejects zeros (cholesky) still lowers.
+        self.real[sym.name] = _copy(value)
         return sym
 
     def _get_attr(self, target: str) -> Any:
@@ -192,7 +205,7 @@ class Lowerer:
         return self.param(obj, target) if isinstance(obj, torch.Tensor) else obj
 
     def _load(self, a: Any) -> Any:
-        return pytree.tree_map(lambda v: self.env[v] if isinstance(v, torch.fx.Node) else v, a)
+        return _map(lambda v: self.env[v] if isinstance(v, torch.fx.Node) else v, a)
 
     def _call(self, node: torch.fx.Node) -> Any:
         args, kwargs = self._load(node.args), self._load(node.kwargs)
@@ -212,10 +225,14 @@ class Lowerer:
         aliased = out_real = None
         if out is None:
             out_real, mutated, aliased = self._example_call(fn, args, kwargs)
-            out = pytree.tree_map(lambda t: to_meta(t) if isinstance(t, torch.Tensor) else t, out_real)
-        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
-            if not isinstance(fn, torch.nn.Module):
+            out = pytree.tree_map(lambda t: to_meta(t) if _strided(t) else t, out_real, is_leaf=_is_size)
+        tensors = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
+        if not tensors and not isinstance(fn, torch.nn.Module):
+            syms = [v for v in _leaves((args, kwargs)) if isinstance(v, Sym)]
+            if not syms or (_layout_query(key, args) and all(v.is_tensor for v in syms)):
+                self._layout_read(syms)
                 return out  # sizes, dtypes, ...: constants of this specialisation
+            # .item(), .tolist(), arithmetic on their results: values of the call, read each call
         emitted = len(self.nodes)
         result = self._native_or_extern(fn, args, kwargs, key, label, out)
         fresh = isinstance(result, Sym) and len(self.nodes) > emitted and self.nodes[-1].name == result.name
@@ -238,11 +255,11 @@ class Lowerer:
         Not meta tensors: many meta kernels are Python, and the first of them imports sympy
         (about 2 s here), while the first call must cost milliseconds.
         """
-        syms = [s for s in pytree.tree_leaves((args, kwargs)) if isinstance(s, Sym)]
+        syms = [s for s in _leaves((args, kwargs)) if isinstance(s, Sym)]
         real = {s.name: self.example(s) for s in syms}
         versions = {n: t._version for n, t in real.items() if isinstance(t, torch.Tensor)}
         swap = lambda v: real[v.name] if isinstance(v, Sym) else v  # noqa: E731
-        out_real = fn(*pytree.tree_map(swap, args), **pytree.tree_map(swap, kwargs))
+        out_real = fn(*_map(swap, args), **_map(swap, kwargs))
         mutated = [s for s in syms if s.name in versions and real[s.name]._version != versions[s.name]]
         return out_real, mutated, _aliased(out_real, real)
 
@@ -250,12 +267,20 @@ class Lowerer:
         why = "no native lowering"
         if key in LOWERINGS and not config.disable_native:
             try:
-                return LOWERINGS[key](self, fn, args, kwargs, out)
+                result = LOWERINGS[key](self, fn, args, kwargs, out)
             except NotNative as e:
                 why = str(e)
+            else:
+                self._layout_read(_leaves((args, kwargs)))
+                return result
         self.externs.append((label, why))
-        inputs = tuple(dict.fromkeys(s.name for s in pytree.tree_leaves((args, kwargs)) if isinstance(s, Sym)))
+        inputs = tuple(dict.fromkeys(s.name for s in _leaves((args, kwargs)) if isinstance(s, Sym)))
         return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
+
+    def _layout_read(self, leaves: list[Any]) -> None:
+        for v in leaves:
+            if isinstance(v, Sym) and v.is_tensor:
+                self.layout_read.add(self.view_root.get(v.name, v.name))
 
     def _functionalize(self, mutated: Sym, result: Any, label: str) -> None:
         if self.ops[mutated.name] in (Op.INPUT, Op.PARAM) or mutated.name in self.base:
@@ -269,11 +294,12 @@ class Lowerer:
                 self.env[k] = result
 
     def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
-        leaves, spec = pytree.tree_flatten(_mutable(self._load(out_node.args[0])))
+        leaves, spec = pytree.tree_flatten(_mutable(self._load(out_node.args[0])), _is_size)
         out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
-        return Lowered(graph, spec, out_leaves, self.externs, n_args, tuple(self.reads_training))
+        reads = frozenset(self.layout_read)
+        return Lowered(graph, spec, out_leaves, self.externs, n_args, tuple(self.reads_training), reads)
 
 
 def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:
@@ -289,6 +315,8 @@ def _mutable(x: Any) -> Any:
         return {k: _mutable(v) for k, v in x.items()}
     if isinstance(x, list):
         return [_mutable(v) for v in x]
+    if isinstance(x, torch.Size):
+        return x
     if isinstance(x, tuple) and type(x) is not tuple and hasattr(x, "_fields"):
         return type(x)(*(_mutable(v) for v in x))
     if isinstance(x, tuple):
@@ -296,8 +324,55 @@ def _mutable(x: Any) -> Any:
     return x
 
 
+def _strided(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory of its own, with t's sizes, strides and storage offset."""
+    m = TensorMeta.of(t)
+    buf = torch.empty(max(m.span, 1), dtype=t.dtype)
+    if m.span > m.offset:
+        buf[m.offset : m.span] = t.as_strided((m.span - m.offset,), (1,), m.offset)
+    return buf.as_strided(m.shape, m.stride, m.offset)
+
+
+# Calls whose result depends on their tensor arguments' layouts only, not on their values.
+_LAYOUT_METHODS = frozenset(
+    "size dim ndimension stride numel nelement element_size is_contiguous storage_offset "
+    "is_floating_point is_complex is_signed get_device __len__ type".split()
+)
+_LAYOUT_FUNCTIONS = frozenset({len, torch.numel, torch.is_tensor, torch.is_floating_point, torch.is_complex})
+_LAYOUT_ATTRS = frozenset("shape dtype device ndim layout is_cuda is_sparse is_meta itemsize nbytes".split())
+
+
+def _layout_query(key: Any, args: tuple) -> bool:
+    if key is getattr:
+        return len(args) >= 2 and args[1] in _LAYOUT_ATTRS
+    return key in _LAYOUT_METHODS or key in _LAYOUT_FUNCTIONS
+
+
+def _is_size(x: Any) -> bool:
+    """A torch.Size is one value: pytree would take it apart and rebuild it as a plain tuple."""
+    return isinstance(x, torch.Size)
+
+
+def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """pytree.tree_map, also inside slices (`x[: n]` with a traced n)."""
+    within = lambda v: slice(fn(v.start), fn(v.stop), fn(v.step)) if isinstance(v, slice) else fn(v)  # noqa: E731
+    return pytree.tree_map(within, tree, is_leaf=_is_size)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """pytree.tree_leaves, with a slice's start, stop and step as leaves."""
+    out: list[Any] = []
+    for v in pytree.tree_leaves(tree, is_leaf=_is_size):
+        out.extend((v.start, v.stop, v.step) if isinstance(v, slice) else (v,))
+    return out
+
+
 def _metas(tree: Any) -> Any:
-    return pytree.tree_map(lambda v: v.meta if isinstance(v, Sym) else v, tree)
+    return _map(lambda v: v.meta if isinstance(v, Sym) else v, tree)
 
 
 def _aliased(out: Any, inputs: dict[str, Any]) -> str | None:
@@ -305,10 +380,10 @@ def _aliased(out: Any, inputs: dict[str, Any]) -> str | None:
     storages = {}
     for name, value in inputs.items():
         for t in pytree.tree_leaves(value):
-            if isinstance(t, torch.Tensor):
+            if _strided(t):
                 storages.setdefault(t.untyped_storage()._cdata, name)
     for t in pytree.tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages:
+        if _strided(t) and t.untyped_storage()._cdata in storages:
             return storages[t.untyped_storage()._cdata]
     return None
 
@@ -525,14 +600,22 @@ def _view_op(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     src = args[0]
     if not isinstance(src, Sym) or not isinstance(out, torch.Tensor):
         raise NotNative("not a tensor view")
+    given = [v for v in _leaves((args[1:], kwargs)) if isinstance(v, Sym)]
+    if given and getattr(fn, "__name__", None) not in _LAYOUT_OF:
+        raise NotNative("a tensor's value decides the view")  # narrow(x, d, start_tensor, n)
     rest = pytree.tree_map(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
     return lw.view(src, lambda t: fn(t, *rest[0], **rest[1]))
 
 
+# Views whose other tensor argument only lends its shape.
+_LAYOUT_OF = frozenset({"expand_as", "view_as", "reshape_as"})
+
+
 def _getitem(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     src, idx = args
-    basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in pytree.tree_leaves(idx))
-    if isinstance(src, Sym) and src.is_tensor and basic:
+    items = idx if type(idx) is tuple else (idx,)  # a list index is advanced indexing: a copy
+    basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+    if isinstance(src, Sym) and src.is_tensor and basic and not any(isinstance(v, Sym) for v in _leaves(items)):
         return lw.view(src, lambda t: t[idx])
     raise NotNative("indexing that is not a view")
 

@@ -137,7 +137,8 @@ def _owner(n: Node, by_name: dict[str, Node]) -> str:
 def plan_memory(graph: Graph) -> Graph:
     """Say where every value lives: attrs['store'] is one of
     'arg' / 'param' (given each call), 'out' (fresh tensor per call: it is returned),
-    'extern' (ATen allocates it), 'alias' (a view: base + metadata), or ('tmp', k): scratch
+    'extern' (an ATen call returns it, maybe a view of another value), 'alias' (a VIEW: base +
+    metadata), or ('tmp', k): scratch
     buffer k, kept across calls and shared by values whose lifetimes do not overlap.
     An elementwise loop writes over an input that dies there when the layouts match.
     """
@@ -157,10 +158,10 @@ def plan_memory(graph: Graph) -> Graph:
     for i, n in enumerate(graph.nodes):
         if n.op in (Op.INPUT, Op.PARAM):
             store: object = n.op.value
+        elif n.op is Op.EXTERN:
+            store = "extern"  # even when it aliases: its data pointer is read at run time
         elif owner[n.name] != n.name:
             store = "alias"
-        elif n.op is Op.EXTERN:
-            store = "extern"
         elif n.name in returned:
             store = "out"
         else:

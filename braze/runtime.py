@@ -60,7 +60,7 @@ def _layout(graph: Graph) -> Layout:
     for n in graph.nodes:
         store = n.attrs["store"]
         if store == "alias":
-            src = n.inputs[0] if n.op is Op.VIEW else n.attrs["alias_of"]
+            src = n.inputs[0]
             lay.owner[n.name] = lay.owner.get(src, src)
             continue
         lay.owner[n.name] = n.name
@@ -104,8 +104,9 @@ def _allocations(graph: Graph, lowered: Lowered, layout: Layout) -> tuple[dict[s
     fresh: dict[str, str] = {}
     for v in leaves:
         o = layout.owner[v]
-        whole = nodes[v].meta.offset == nodes[o].meta.offset and nodes[v].meta.span == nodes[o].meta.span
-        if o in metas and uses[o] == 1 and whole:
+        if o not in metas or uses[o] != 1:
+            continue
+        if nodes[v].meta.offset == nodes[o].meta.offset and nodes[v].meta.span == nodes[o].meta.span:
             metas[o] = nodes[v].meta
             fresh[v] = o
     return metas, fresh
@@ -442,6 +443,8 @@ class _RunnerWriter:
             return "[" + ", ".join(self._py(v) for v in x) + "]"
         if isinstance(x, dict):
             return "{" + ", ".join(f"{k!r}: {self._py(v)}" for k, v in x.items()) + "}"
+        if isinstance(x, slice):
+            return f"slice({self._py(x.start)}, {self._py(x.stop)}, {self._py(x.step)})"
         if x is None or isinstance(x, (bool, int, str)):
             return repr(x)
         return self.const(x)
@@ -456,10 +459,13 @@ class _RunnerWriter:
             self._own(n.name, n.name, n.meta)
         else:
             self.expr[n.name] = n.name
-        if n.name in self.prog.layout.slot and n.name in self.reads:
+        if n.meta is not None and (n.name in self.reads or n.name in self.lowered.layout_read):
+            # compiled for the layout this call returned then (its result's shape may depend on
+            # values: nonzero, repeat_interleave)
             m = n.meta
             dtype = self.const(m.dtype)
             self.lines.append(f"    if _relaid({n.name}, {m.shape}, {m.stride}, {dtype}): return _stale({self.args})")
+        if n.name in self.reads:
             self.lines.append(f"    t[{self.prog.layout.slot[n.name]}] = {n.name}.data_ptr()")
 
     def _outputs(self) -> str:

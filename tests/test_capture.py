@@ -1,0 +1,105 @@
+"""Both capture paths keep eager's semantics: what FX would bake in at trace time and what
+TorchDynamo would rewrite into other arithmetic (issue 15)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import braze
+
+from .helpers import assert_same, check_model
+
+
+def dynamo_check(fn, *args) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="braze")
+    for _ in range(2):
+        assert_same(compiled(*args), fn(*[a.clone() for a in args]))
+
+
+A, B, C = (torch.randn(5, 7) for _ in range(3))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a, b, c: torch.addcdiv(a, b, c, value=3.14),
+        lambda a, b, c: torch.addcmul(a, b, c, value=0.3),
+        lambda a, b, c: a.clone().addcdiv_(b, c, value=-1.7),
+        lambda a, b, c: a.clone().addcmul_(b, c, value=torch.tensor(0.3)),
+        lambda a, b, c: a.clone().add_(b, alpha=torch.tensor(2.9)),
+        lambda a, b, c: torch.lerp(a, b, 0.3) + c,
+    ],
+    ids=["addcdiv", "addcmul", "addcdiv_", "addcmul_-tensor-value", "add_-tensor-alpha", "lerp"],
+)
+def test_dynamo_hands_braze_the_calls_eager_makes(fn):
+    dynamo_check(fn, A, B, C)
+
+
+def test_the_issue_addcdiv_snippet_through_dynamo():
+    torch._dynamo.reset()
+    g = lambda a, b, c: torch.addcdiv(a, b, c, value=3.14)  # noqa: E731
+    assert torch.equal(torch.compile(g, backend="braze")(A, B, C), g(A, B, C))
+
+
+def test_other_backends_still_see_dynamos_rewrite():
+    """The rewrite declines only in traces for braze: another backend's graph is as before."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(lambda a, b, c: torch.addcdiv(a, b, c, value=3.14), backend=backend)(A, B, C)
+    assert torch.addcdiv not in seen and torch.div in seen
+
+
+def test_setting_the_random_state_in_forward_is_not_traced_away():
+    def f(x):
+        torch.manual_seed(42)
+        return x + torch.randn_like(x)
+
+    compiled = braze.compile(f)
+    x = torch.randn(6)
+    for _ in range(2):
+        torch.manual_seed(1)
+        expected = f(x)
+        torch.manual_seed(1)
+        assert torch.equal(compiled(x), expected)
+    assert torch.manual_seed.__module__ == "torch.random", "torch's own function is back after tracing"
+
+
+def test_functions_of_star_args_are_traced_by_fx():
+    def f(*xs):
+        return xs[0] * 2 + xs[1]
+
+    compiled = check_model(f, (A, B), kernels=1, externs=0)
+    assert compiled._dynamo is None
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.split(x, 2),
+        lambda x: torch.split(x, 3)[1] * 2,
+        lambda x: x.to_sparse() * 2,
+        lambda x: torch.broadcast_shapes(x.shape, (3, 1, 7)),
+        lambda x: x.shape,
+    ],
+    ids=["split", "split-item", "sparse", "size-from-tensor", "shape"],
+)
+def test_outputs_of_other_kinds(fn):
+    compiled = braze.compile(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", braze.BrazeWarning)
+        actual = compiled(A)
+    expected = fn(A)
+    if isinstance(expected, torch.Tensor) and expected.is_sparse:
+        assert actual.is_sparse and torch.equal(actual.to_dense(), expected.to_dense())
+    else:
+        assert_same(actual, expected)
+        assert type(actual) is type(expected)
