@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench bench-quick clean
+.PHONY: demo test test-opinfo lint bench bench-quick clean
 
 $(BIN)/braze: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,11 @@ test: $(BIN)/braze
 	$(BIN)/ruff check braze tests
 	$(BIN)/ruff format --check braze tests
 	$(BIN)/python -m pytest
+
+# The whole OpInfo sweep: every float32 CPU op on both capture paths, 1 and 2 threads, strided
+# and transposed inputs (tests/opinfo.py; `make test` runs a subset).
+test-opinfo: $(BIN)/braze
+	BRAZE_OPINFO=full $(BIN)/python -m pytest tests/test_opinfo.py
 
 bench: $(BIN)/braze
 	$(BIN)/python -m pip install -q -e '.[bench]'

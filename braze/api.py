@@ -20,7 +20,9 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,21 +34,43 @@ from .runtime import Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
 
-# Bumped whenever any module gains or replaces a parameter, buffer or submodule, so a wrapper
-# sees `model.fc.weight = nn.Parameter(...)` and recompiles. A C integer: native guards read it.
-epoch = (ctypes.c_int64 * 1)()
+# Each wrapper of a module has an epoch, bumped when one of its model's modules gains or replaces
+# a parameter, buffer or submodule, so that it sees `model.fc.weight = nn.Parameter(...)` and
+# recompiles. Changes to other modules leave it alone: a forward that builds modules as it runs
+# (Hugging Face's Llama slices its ModuleList, which makes a new one each call) or a process
+# that builds other models meanwhile. A C integer per wrapper: its native guard reads it.
+Epoch = ctypes.c_int64 * 1
+_watching: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[CompiledModule]] = weakref.WeakKeyDictionary()
 
 
-def _bump(*_: Any) -> None:
-    epoch[0] += 1
+_running = threading.local()  # .wrappers: those whose slow path runs on this thread
 
 
-for _hook in (
-    torch.nn.modules.module.register_module_parameter_registration_hook,
-    torch.nn.modules.module.register_module_buffer_registration_hook,
-    torch.nn.modules.module.register_module_module_registration_hook,
-):
-    _hook(_bump)
+def _module_replaced(module: torch.nn.Module, *_: Any) -> None:
+    """A submodule of `module` is added or replaced: its wrappers recompile, except one whose
+    own slow path (tracing forward, or running it eagerly) does it: it compiles what forward does."""
+    mine = getattr(_running, "wrappers", ())
+    for wrapper in list(_watching.get(module, ())):
+        if wrapper not in mine:
+            wrapper.epoch[0] += 1
+
+
+def _tensor_replaced(table: str) -> Callable[[torch.nn.Module, str, Any], None]:
+    """A parameter or buffer (`table`: "_parameters" or "_buffers") of `module` is about to be
+    replaced: its wrappers' programs read the new tensor from now on."""
+
+    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        old = getattr(module, table).get(name)
+        if old is not None and isinstance(value, torch.Tensor):
+            for wrapper in list(_watching.get(module, ())):
+                wrapper._rebind(old, value)
+
+    return hook
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_module_replaced)
+torch.nn.modules.module.register_module_parameter_registration_hook(_tensor_replaced("_parameters"))
+torch.nn.modules.module.register_module_buffer_registration_hook(_tensor_replaced("_buffers"))
 
 
 # The native entry every program is called through takes ~20 ms to build: do it at import, not
@@ -123,8 +147,10 @@ class _Failed:
         self.why = why
 
 
-def build_program(captured: capture.Captured, args: tuple[Any, ...]) -> Program:
-    """Run the pipeline after capture for one argument signature."""
+def build_program(captured: capture.Captured, args: tuple[Any, ...], epoch: Any = None) -> Program:
+    """Run the pipeline after capture for one argument signature (`epoch`: the wrapper's, which
+    the program's guard checks)."""
+    epoch = Epoch() if epoch is None else epoch
     t0 = time.perf_counter()
     lowered = lower(captured, args)
     t1 = time.perf_counter()
@@ -141,6 +167,39 @@ def build_program(captured: capture.Captured, args: tuple[Any, ...]) -> Program:
     prog.lowered = lowered
     prog.captured_graph = captured.graph
     return prog
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """One program a wrapper compiled: why (which part of the call differed from the last one
+    compiled, or what changed) and the milliseconds it took."""
+
+    why: str
+    ms: float
+
+
+_STATE = ("the default dtype", "ATen's float32 matmul precision", "MKL's thread count")
+
+
+def _difference(old: tuple | None, new: tuple) -> str:
+    """What differs between two call signatures (see CompiledModule._miss for their parts)."""
+    if old is None:
+        return "first call"
+    if len(old) != len(new):
+        return f"{len(new) - len(old):+d} parts in the call's signature (a new number of arguments or modules)"
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a == b:
+            continue
+        if i >= len(new) - len(_STATE):
+            return f"{_STATE[i - len(new)]}: {a} -> {b}"
+        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5:
+            fields = ("shape", "strides", "dtype", "device", "type")
+            name, x, y = next((f, x, y) for f, x, y in zip(fields, a, b) if x != y)
+            return f"argument {i}: {name} {tuple(x) if name == 'shape' else x} -> {tuple(y) if name == 'shape' else y}"
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            return f"argument {i}: {a[1]!r} -> {b[1]!r}"
+        return f"a module's training flag: {a} -> {b}"
+    return "the same signature"
 
 
 def _signature(args: tuple[Any, ...]) -> tuple:
@@ -175,10 +234,14 @@ class CompiledModule:
         self._captured: capture.Captured | None = None
         self._captured_state: tuple = ()  # the state it was traced in (see _trace_state)
         self._dynamo: Callable[..., Any] | None = None
-        self._epoch = epoch[0]
+        self.epoch = Epoch()  # see _watching
+        self._epoch = 0  # the epoch the cache was filled in
         self._lock = threading.Lock()
         self._said: set[str] = set()
         self._restaled: set[tuple] = set()  # signatures whose program went stale once
+        self.compilations: list[Compilation] = []  # every program compiled, and why
+        self._last_key: tuple | None = None  # the signature compiled last
+        self._why = ""  # why the next compilation happens, when it is not a new signature
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._modules: tuple[torch.nn.Module, ...] = ()
         self._params: list[torch.nn.Parameter] = []
@@ -204,6 +267,14 @@ class CompiledModule:
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         """Everything the fast path does not: bind keywords, decide eager or native, look up or
         compile the program for this signature, and make it the next call's fast path."""
+        outer = getattr(_running, "wrappers", ())
+        _running.wrappers = (*outer, self)
+        try:
+            return self._miss(args, kwargs)
+        finally:
+            _running.wrappers = outer
+
+    def _miss(self, args: tuple, kwargs: dict) -> Any:
         if kwargs:
             bound = self._bind(args, kwargs)
             if bound is None:
@@ -216,6 +287,9 @@ class CompiledModule:
         unusual = _unusual_state()
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
+        if self._epoch != self.epoch[0]:  # before the signature: it holds the modules' flags
+            self._reset()
+            self._why = "the model's submodules were replaced"
         try:
             # GEMMs are native only in full float32 matmul precision, and small ones run on one
             # thread where MKL's thread count gives the same bits: a program per precision and count
@@ -226,8 +300,6 @@ class CompiledModule:
             return self._eager("an argument that is not a plain, strided CPU tensor", args, {})
         if not all(_plain_cpu(p) for p in self._params):
             return self._eager("a parameter that is not a plain, strided CPU tensor", args, {})
-        if self._epoch != epoch[0]:
-            self._reset()
         prog = self._cache.get(key)
         if isinstance(prog, Program) and prog.stale:  # an ATen call inside changed its layout
             self._cache.pop(key, None)  # another thread may have dropped it already
@@ -235,6 +307,7 @@ class CompiledModule:
                 self._cache[key] = _EAGER
                 return self._eager("an ATen call inside returns layouts that change between calls", args, {})
             self._restaled.add(key)
+            self._why = "an ATen call inside returned another layout than when compiled"
             prog = None
         if prog is None:
             prog = self._compile(key, args)
@@ -252,7 +325,8 @@ class CompiledModule:
         # state changed (no_grad -> inference_mode, say): check the tensors again under this one.
         if not prog.rearm(args):  # a parameter changed dtype or layout (`.double()`): recompile
             self._cache.pop(key, None)
-            return self._slow(args, {})
+            self._why = "a parameter changed dtype or layout"
+            return self._miss(args, {})
         out = prog.body(*args)
         self._install(prog)
         return out
@@ -272,6 +346,11 @@ class CompiledModule:
             return None
         return tuple(bound.arguments.values())
 
+    def _rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        self._params = [new if p is old else p for p in self._params]
+        for prog in self.programs():
+            prog.rebind(old, new)
+
     def _needs_grad(self, args: tuple) -> bool:
         return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or any(
             p.requires_grad for p in self._params
@@ -281,7 +360,7 @@ class CompiledModule:
         self._cache.clear()
         self._install(None)
         self._captured = None
-        self._epoch = epoch[0]
+        self._epoch = self.epoch[0]
         self._find_state()
 
     def _find_state(self) -> None:
@@ -289,6 +368,8 @@ class CompiledModule:
         submodule's Dropout reads its own) and parameters."""
         self._modules = tuple(self._module.modules()) if self._module is not None else ()
         self._params = list(self._module.parameters()) if self._module is not None else []
+        for m in self._modules:
+            _watching.setdefault(m, weakref.WeakSet()).add(self)
 
     def _say(self, why: str) -> None:
         if why not in self._said:
@@ -311,6 +392,8 @@ class CompiledModule:
                 return entry
             if isinstance(entry, Program):
                 entry.bind(self._on_miss)
+                self.compilations.append(Compilation(self._why or _difference(self._last_key, key), entry.total_ms))
+                self._why, self._last_key = "", key
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -326,7 +409,7 @@ class CompiledModule:
                 return None
         capture_ms = (time.perf_counter() - t0) * 1e3
         try:
-            prog = build_program(self._captured, args)
+            prog = build_program(self._captured, args, self.epoch)
         except Unsupported as e:
             self._say(str(e))
             return _EAGER

@@ -14,12 +14,16 @@ then holds the calls as the user wrote them. Traces for other backends are uncha
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .api import CompiledModule
+from .api import BrazeWarning, CompiledModule
 from .capture import from_graph_module
 
 # TorchDynamo's handlers that trace a call as other arithmetic: (class, attribute) for methods
@@ -33,9 +37,12 @@ _WRAPPED = ("compiler_fn", "_torchdynamo_orig_backend", "func")
 
 
 def _for_braze(tx: Any) -> bool:
-    """Whether the frame `tx` traces is compiled by a braze backend (through TorchDynamo's and
-    torch.compile's wrappers of it)."""
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    """Whether the frame `tx` traces is compiled by a braze backend."""
+    return _is_braze(getattr(getattr(tx, "output", None), "compiler_fn", None))
+
+
+def _is_braze(fn: Any) -> bool:
+    """Whether `fn` is a braze backend (through TorchDynamo's and torch.compile's wrappers)."""
     for _ in range(8):
         if fn is None:
             return False
@@ -57,10 +64,38 @@ def _declining(original: Callable[..., Any]) -> Callable[..., Any]:
     return handler
 
 
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)) + os.sep + "braze")
+
+
+class _RecompileLimit(logging.Handler):
+    """TorchDynamo says only in a log line that it stopped compiling a function (it runs the
+    function's new signatures eagerly from then on): for a function compiled by braze, say it
+    as braze's warning."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("torch._dynamo hit config.") or len(record.args or ()) < 4:
+            return
+        frame = sys._getframe(1)
+        while frame is not None and not (frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals):
+            frame = frame.f_back
+        if frame is None or not _is_braze(frame.f_locals["compiler_fn"]):
+            return
+        limit, value, function, reason = record.args[:4]
+        message = (
+            f"braze: TorchDynamo stopped compiling {function} after {value} compilations ({limit}); "
+            f"its new signatures now run eagerly. Last recompilation because: {reason}"
+        )
+        while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+            frame = frame.f_back  # up to the user's call
+        where = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("braze", 0)
+        warnings.warn_explicit(message, BrazeWarning, *where)
+
+
 @functools.cache
 def keep_eager_arithmetic() -> None:
-    """Make TorchDynamo's rewriting handlers decline in traces for braze (once per process).
-    On a TorchDynamo without them there is nothing to do."""
+    """Make TorchDynamo's rewriting handlers decline in traces for braze, and its recompile
+    limit loud (once per process). On a TorchDynamo without the handlers there is nothing to do."""
+    logging.getLogger("torch._dynamo.convert_frame").addHandler(_RecompileLimit())
     from torch._dynamo.variables.tensor import TensorVariable
     from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
 

@@ -83,7 +83,7 @@ class EntrySpec:
     tensors: tuple[TensorCheck, ...]  # the tensor arguments, then the parameters
     const_args: tuple[tuple[int, Any], ...]  # (position, value) of specialised Python values
     modules: tuple[torch.nn.Module, ...]  # whose `training` flags must stay as compiled
-    epoch: Any  # ctypes int64 cell bumped when any module changes structure
+    epoch: Any  # ctypes int64 cell bumped when a module of the model changes structure
     epoch_value: int
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     mkl_threads: int  # jit.mkl_threads() the one-thread GEMMs were probed for; -1: none
@@ -118,6 +118,7 @@ class Descriptor:
 
     def __init__(self, spec: EntrySpec, miss: Any, py_body: Any, run: int, scratch: dict[int, int]) -> None:
         self._keep: list[Any] = []  # arrays and objects the words point at
+        self._held: dict[int, tuple[Any, ...]] = {}  # tensor record -> its parameter (and the one before)
         self._objects: dict[str, Any] = {}  # the object each object word points at now
         self.words = _words([0] * len(_FIELDS))
         self.address = ctypes.addressof(self.words)
@@ -137,7 +138,7 @@ class Descriptor:
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
-        records = [w for t in spec.tensors for w in self._tensor(t)]
+        records = [w for i, t in enumerate(spec.tensors) for w in self._tensor(i, t)]
         # set_dispatch_state rewrites their dispatch keys
         self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
         self.set_dispatch_state([t.example for t in spec.tensors])
@@ -168,6 +169,17 @@ class Descriptor:
         self.set("scratch_total", total)
         self.set("n_slots", spec.n_slots)
         self.set("release_gil", int(spec.release_gil))
+
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Check and read `new` where the entry read parameter `old` (replaced in its module).
+        The tensor before stays referenced until the next rebind, for a call that may still be
+        reading it on another thread."""
+        for i, held in list(self._held.items()):
+            if held[0] is old:
+                self._held[i] = (new, old)
+                base = i * len(TENSOR_WORDS)
+                self.tensors[base + TENSOR_WORDS.index("obj")] = id(new)
+                self.tensors[base + TENSOR_WORDS.index("keys")] = dispatch_keys(new)
 
     def set(self, name: str, value: int) -> None:
         self.words[W[name]] = value
@@ -203,10 +215,13 @@ class Descriptor:
     def _shape(self, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
         return self._array(list(shape)), self._array(list(stride))
 
-    def _tensor(self, t: TensorCheck) -> list[int]:
+    def _tensor(self, i: int, t: TensorCheck) -> list[int]:
         x = t.example
         sizes, strides = self._shape(tuple(x.shape), x.stride())
-        obj = self._ref(x) if t.pos < 0 else 0
+        obj = 0
+        if t.pos < 0:
+            self._held[i] = (x,)
+            obj = id(x)
         layout = [self._ref(type(x)), 0, _dtype(x.dtype), x.dim(), sizes, strides]  # keys: set_dispatch_state
         return [t.pos, obj, int(t.layout), *layout, t.slot, int(x.numel() > 0)]
 

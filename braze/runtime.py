@@ -164,6 +164,7 @@ class Program:
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self.blas_clock: tuple[Any, Any] | None = None  # see config.blas_clock
         self._local = threading.local()
+        self._body_globals: dict[str, Any] | None = None  # a Python body's namespace
         spec = self._spec(lowered, guard, fresh)
         self.entry, self.body = self._build(spec, lowered)
 
@@ -181,6 +182,18 @@ class Program:
             return False
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return True
+
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Read `new` where the program read `old`: a parameter or buffer of the model replaced
+        by another tensor (Hugging Face models re-register buffers in forward). The entry checks
+        the new tensor's layout on every call, as it checked the old one's; a different one
+        misses, and `rearm` then refuses it (the program compiles again)."""
+        for i, p in enumerate(self.params):
+            if p is old:
+                self.params[i] = new
+                if self._body_globals is not None:
+                    self._body_globals[f"_p{i}"] = new
+        self._descriptor.rebind(old, new)
 
     def _went_stale(self, *args: Any) -> Any:
         """An ATen call inside returned another layout than when compiled (a module's setting
@@ -273,6 +286,7 @@ class Program:
         self.source = writer.source()
         namespace = self._namespace(lowered, writer.consts)
         exec(compile(self.source, f"<braze program {id(self):x}>", "exec"), namespace)
+        self._body_globals = namespace
         return namespace["body"]
 
     def _access(self, name: str) -> Access:
@@ -341,7 +355,7 @@ class Guard:
     args: tuple[Any, ...]  # the example arguments
     modules: tuple[torch.nn.Module, ...]  # whose `training` flags must stay as they were
     params: tuple[torch.Tensor, ...]  # the model's parameters: none may require grad in grad mode
-    epoch: Any  # the global module-change counter (a ctypes int64 cell, api.epoch)
+    epoch: Any  # the wrapper's module-change counter (a ctypes int64 cell, api.Epoch)
     epoch_value: int  # and its value now
 
 

@@ -18,3 +18,12 @@ def threads():
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After an OpInfo sweep: how its cases ended, and how many ops ran natively."""
+    from . import opinfo
+    from .test_opinfo import OUTCOMES
+
+    if OUTCOMES:
+        terminalreporter.write_line(opinfo.summary(OUTCOMES))

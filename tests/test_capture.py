@@ -103,3 +103,31 @@ def test_outputs_of_other_kinds(fn):
     else:
         assert_same(actual, expected)
         assert type(actual) is type(expected)
+
+
+class Branchy(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # FX cannot trace this: TorchDynamo captures
+            return x * 2
+        return x - 1
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "braze.compile"])
+def test_dynamos_recompile_limit_is_said(how):
+    """TorchDynamo stops compiling a function after its recompile limit and runs it eagerly,
+    saying so only in a log line: braze says it as a warning."""
+    torch._dynamo.reset()
+    model = Branchy()
+    compiled = torch.compile(model, backend="braze", dynamic=False) if how == "torch.compile" else braze.compile(model)
+    limit = torch._dynamo.config.recompile_limit
+    with pytest.warns(braze.BrazeWarning, match="TorchDynamo stopped compiling"):
+        for n in range(1, limit + 3):
+            x = torch.ones(n)
+            assert torch.equal(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("index", [[1, 2], ([0, 2], slice(None)), (Ellipsis, [1])], ids=str)
+def test_advanced_indexing_copies(index):
+    x = torch.randn(4, 5)
+    check_model(lambda t: t[index] * 2, (x,))
+    dynamo_check(lambda t: t[index] * 2, x)

@@ -598,3 +598,62 @@ def test_a_first_call_imports_no_sympy():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "0", "False"]  # equal, all native, no sympy
+
+
+def test_changes_to_other_modules_do_not_recompile():
+    model = lesson()
+    compiled = braze.compile(model)
+    x = torch.randn(16, 64)
+    check_model(model, (x,), compiled=compiled)
+    other = nn.Linear(3, 3)  # a module built meanwhile, and changed
+    other.weight = nn.Parameter(torch.randn(3, 3))
+    other.register_buffer("b", torch.ones(1))
+    check_model(model, (x,), compiled=compiled)
+    assert [c.why for c in compiled.compilations] == ["first call"]
+    model[2].bias = nn.Parameter(torch.randn(10))  # its own, the same layout: read from now on
+    check_model(model, (x,), compiled=compiled, kernels=2)
+    assert len(compiled.compilations) == 1
+    model[2] = nn.Linear(64, 10)  # a submodule replaced: compiles again
+    check_model(model, (x,), compiled=compiled)
+    assert compiled.compilations[-1].why == "the model's submodules were replaced"
+    model[0].weight = nn.Parameter(torch.randn(64, 64).t())  # another layout: compiles again
+    check_model(model, (x,), compiled=compiled)
+    assert compiled.compilations[-1].why == "a parameter changed dtype or layout"
+
+
+class RegistersInForward(nn.Module):
+    """Registers a buffer on itself and slices its ModuleList (a new ModuleList) each call, as
+    Hugging Face's Llama does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+
+    def forward(self, x):
+        self.register_buffer("scale", torch.full((16,), 2.0), persistent=False)
+        for layer in self.layers[:2]:
+            x = torch.relu(layer(x))
+        return x * self.scale
+
+
+def test_a_forward_that_registers_things_compiles_once_and_runs_natively():
+    model = RegistersInForward().eval()
+    compiled = braze.compile(model)
+    for _ in range(4):
+        check_model(model, (torch.randn(8, 16),), compiled=compiled, externs=0)
+    assert len(compiled.compilations) == 1
+    assert type(compiled).__call__ is compiled.programs()[0].entry, "the native entry serves the calls"
+
+
+def test_compilations_say_why():
+    model = lesson()
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        for x in (torch.randn(4, 64), torch.randn(8, 64), torch.randn(64, 8).t(), torch.randn(4, 64)):
+            compiled(x)
+    assert [c.why for c in compiled.compilations] == [
+        "first call",
+        "argument 0: shape (4, 64) -> (8, 64)",
+        "argument 0: strides (64, 1) -> (1, 8)",
+    ]
+    assert all(c.ms > 0 for c in compiled.compilations)

@@ -33,12 +33,13 @@ class RandomMLP(nn.Module):
     def __init__(self, widths: list[int], acts: list[str], bias: list[bool], residual: list[bool]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(a, b, bias=c) for a, b, c in zip(widths, widths[1:], bias))
-        self.acts, self.residual = acts, residual
+        # a residual where the layer keeps the width (decided here: FX traces no shape test)
+        self.acts, self.residual = acts, [r and a == b for r, a, b in zip(residual, widths, widths[1:])]
 
     def forward(self, x):
         for layer, act, res in zip(self.layers, self.acts, self.residual):
             y = ACTS[act](layer(x))
-            x = y + x if res and y.shape == x.shape else y
+            x = y + x if res else y
         return x
 
 
