@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -27,3 +29,5 @@ def pytest_terminal_summary(terminalreporter):
 
     if OUTCOMES:
         terminalreporter.write_line(opinfo.summary(OUTCOMES))
+        if os.environ.get("BRAZE_OPINFO_REPORT"):
+            opinfo.write_report(OUTCOMES, os.environ["BRAZE_OPINFO_REPORT"])

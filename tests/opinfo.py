@@ -7,12 +7,19 @@ raise what eager raises, and change the inputs as eager changes them; or have an
 outcome, with its reason, in `opinfo_expected.py`. Each case runs through one capture path
 (`fx`: braze.compile; `dynamo`: torch.compile(backend="braze")), on 1 or 2 threads, with the
 sample's inputs as given, as strided views or in transposed memory (same values).
+
+Through torch.compile, TorchDynamo runs each op on fake tensors while it traces, before braze
+sees a graph: where eager raises, it raises its own error (a subclass of eager's, holding
+eager's message or its fake kernel's). That outcome is `error_by_dynamo`: TorchDynamo's to
+decide, not braze's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import json
 import os
 import warnings
 from collections import Counter
@@ -29,7 +36,8 @@ from .opinfo_expected import expected
 
 PATHS = ("fx", "dynamo")
 LAYOUTS = ("given", "strided", "transposed")
-BAD = ("wrong", "braze_error", "error_differs", "no_error", "inputs_differ", "crash")
+# Outcomes that fail the sweep. (A crash ends the process, and the sweep with it.)
+BAD = ("wrong", "inputs_differ", "braze_error", "error_differs", "no_error")
 
 
 @functools.cache
@@ -138,6 +146,14 @@ def _same(a: torch.Tensor, e: torch.Tensor) -> bool:
     return same_values(a, e)
 
 
+def _wrapped(got: BaseException | None, want: BaseException) -> bool:
+    """TorchDynamo's own error where eager raises, raised while it traced (before braze sees a
+    graph): a subclass of eager's error type, with eager's message or its fake kernel's."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(got, TorchDynamoException) and isinstance(got, type(want))
+
+
 def _call(fn: Any, args: list[Any]) -> tuple[Any, BaseException | None]:
     torch.manual_seed(1234)  # random ops draw the same numbers in both runs
     try:
@@ -178,14 +194,17 @@ def run(case: Case) -> Outcome:
     if want_error is not None:
         same = got_error is not None and type(got_error) is type(want_error) and str(got_error) == str(want_error)
         out.kind = "error" if same else ("no_error" if got_error is None else "error_differs")
+        if case.path == "dynamo" and _wrapped(got_error, want_error):
+            out.kind = "error_by_dynamo"
         out.detail = "" if same else f"eager: {want_error!r:.150} braze: {got_error!r:.150}"
     elif got_error is not None:
         out.kind, out.detail = "braze_error", f"{got_error!r:.300}"
     else:
         values = expected(case.op).get("compare", "values") == "values"
-        why = differs(got, want, values) or differs(braze_in, eager_in, values)
-        if why:
+        if why := differs(got, want, values):
             out.kind, out.detail = "wrong", why
+        elif why := differs(braze_in, eager_in, values):
+            out.kind, out.detail = "inputs_differ", why
     known = expected(case.op)
     if out.kind == known.get("outcome") and case.path in known.get("paths", PATHS):
         out.kind = "expected"
@@ -195,10 +214,10 @@ def run(case: Case) -> Outcome:
 def _programs(compiled: Any, fn: Any) -> list[Any]:
     """The programs braze compiled for this call: the wrapper's, or those of the wrappers
     TorchDynamo made of its graphs (it keeps them in the function's globals)."""
-    if isinstance(compiled, braze.CompiledModule):
+    if isinstance(compiled, braze.CompiledFunction):
         return compiled.programs()
     wrappers = [getattr(v, "__wrapped__", None) for k, v in fn.__globals__.items() if k.startswith("__compiled_fn")]
-    return [p for w in wrappers if isinstance(w, braze.CompiledModule) for p in w.programs()]
+    return [p for w in wrappers if isinstance(w, braze.CompiledFunction) for p in w.programs()]
 
 
 def cases(full: bool) -> list[tuple[str, str]]:
@@ -249,3 +268,12 @@ def summary(outcomes: list[Outcome]) -> str:
         lines.append(f"  {path}: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
         lines.append(f"  {path}: native code in {len(native)} of {ops_} ops; braze ran {fell} cases eagerly")
     return "\n".join(lines)
+
+
+def write_report(outcomes: list[Outcome], path: str) -> None:
+    """Every case and its outcome, as JSON lines."""
+    with open(path, "w") as f:
+        for o in outcomes:
+            f.write(
+                json.dumps({**dataclasses.asdict(o.case), **{k: v for k, v in vars(o).items() if k != "case"}}) + "\n"
+            )
