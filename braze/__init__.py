@@ -16,10 +16,10 @@ from . import config
 if config.gc_freeze:  # before braze's own imports: a full collection of torch's objects costs ~100 ms
     gc.freeze()
 
-from .api import BrazeWarning, CompiledModule, compile  # noqa: E402
+from .api import BrazeWarning, CompiledFunction, CompiledModule, compile  # noqa: E402
 from .debug import Report  # noqa: E402
 
-__all__ = ["compile", "explain", "config", "CompiledModule", "BrazeWarning", "Report"]
+__all__ = ["compile", "explain", "config", "CompiledFunction", "CompiledModule", "BrazeWarning", "Report"]
 __version__ = "0.1.0"
 
 
@@ -28,14 +28,15 @@ def explain(fn: Any, *example_inputs: Any) -> Report:
 
     The report holds the captured graph, the IR before and after each pass, the fusion groups,
     which ops run natively and which through ATen (and why), the LLVM IR, optimised IR,
-    assembly, and milliseconds per stage.
+    assembly, and milliseconds per stage; for a compiled wrapper, also every program it has
+    compiled so far and why.
     """
     import torch
 
     from . import capture, debug
     from .api import build_program
 
-    target = fn.fn if isinstance(fn, CompiledModule) else fn
+    target = fn.fn if isinstance(fn, CompiledFunction) else fn
     t0 = time.perf_counter()
     if isinstance(target, torch.fx.GraphModule):
         captured = capture.from_graph_module(target)
@@ -46,6 +47,8 @@ def explain(fn: Any, *example_inputs: Any) -> Report:
         prog = build_program(captured, tuple(example_inputs))
     prog.timings.insert(0, ("capture", capture_ms))
     secs = debug.sections(prog, captured.graph)
+    if isinstance(fn, CompiledFunction):
+        secs["compilations of this wrapper"] = debug.compilations(fn)
     text = "\n\n".join(f"=== {name} ===\n{body}" for name, body in secs.items())
     report = Report(text)
     report.program = prog

@@ -40,7 +40,7 @@ _EAGER = "eager"  # cache entry for signatures braze runs eagerly
 # (Hugging Face's Llama slices its ModuleList, which makes a new one each call) or a process
 # that builds other models meanwhile. A C integer per wrapper: its native guard reads it.
 Epoch = ctypes.c_int64 * 1
-_watching: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[CompiledModule]] = weakref.WeakKeyDictionary()
+_watching: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[CompiledFunction]] = weakref.WeakKeyDictionary()
 
 
 _running = threading.local()  # .wrappers: those whose slow path runs on this thread
@@ -81,6 +81,16 @@ with contextlib.suppress(Exception):
 
 class BrazeWarning(UserWarning):
     pass
+
+
+TESTED_TORCH = "2.13."
+if not torch.__version__.startswith(TESTED_TORCH):
+    warnings.warn(
+        f"braze is tested with torch {TESTED_TORCH}x, not {torch.__version__}: its native code is used only "
+        "where start-up checks of torch's internals pass; elsewhere models run eagerly, with a warning saying why",
+        BrazeWarning,
+        stacklevel=2,
+    )
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -212,15 +222,16 @@ def _signature(args: tuple[Any, ...]) -> tuple:
     return tuple(sig)
 
 
-class CompiledModule:
-    """What `braze.compile` returns: call it like the model.
+class CompiledFunction:
+    """What `braze.compile` returns for a function (CompiledModule, for a module, adds the
+    nn.Module interface): call it like the function.
 
     Each wrapper is the only instance of a class of its own, whose `__call__` becomes the native
     entry of the program it ran last: a call that matches goes from the interpreter straight
     into machine code. A call that does not is handed back to `_slow`.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> CompiledModule:
+    def __new__(cls, *args: Any, **kwargs: Any) -> CompiledFunction:
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         return super().__new__(own)
 
@@ -243,10 +254,10 @@ class CompiledModule:
         self._last_key: tuple | None = None  # the signature compiled last
         self._why = ""  # why the next compilation happens, when it is not a new signature
         self._module = fn if isinstance(fn, torch.nn.Module) else None
-        self._modules: tuple[torch.nn.Module, ...] = ()
+        self._watched: tuple[torch.nn.Module, ...] = ()
         self._params: list[torch.nn.Parameter] = []
         self._find_state()
-        self._subgraphs: list[CompiledModule] = []  # TorchDynamo's graphs, when FX could not trace
+        self._subgraphs: list[CompiledFunction] = []  # TorchDynamo's graphs, when FX could not trace
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,8 +288,12 @@ class CompiledModule:
     def _miss(self, args: tuple, kwargs: dict) -> Any:
         if kwargs:
             bound = self._bind(args, kwargs)
-            if bound is None:
-                return self._eager("keyword arguments that cannot be bound positionally", args, kwargs)
+            if bound is None:  # **kwargs in forward (Hugging Face models): TorchDynamo binds them
+                if self._dynamo is None:
+                    self._dynamo = _dynamo_fallback(self, "keyword arguments that cannot be bound positionally")
+                if self._dynamo is None:
+                    return self.fn(*args, **kwargs)
+                return self._dynamo(*args, **kwargs)
             args = bound
         if self._dynamo is not None:
             return self._dynamo(*args)
@@ -366,9 +381,9 @@ class CompiledModule:
     def _find_state(self) -> None:
         """The model's modules (each one's `training` flag is part of what is compiled: a
         submodule's Dropout reads its own) and parameters."""
-        self._modules = tuple(self._module.modules()) if self._module is not None else ()
+        self._watched = tuple(self._module.modules()) if self._module is not None else ()
         self._params = list(self._module.parameters()) if self._module is not None else []
-        for m in self._modules:
+        for m in self._watched:
             _watching.setdefault(m, weakref.WeakSet()).add(self)
 
     def _say(self, why: str) -> None:
@@ -431,15 +446,58 @@ class CompiledModule:
         """What a traced graph may have baked in besides the model: forward may branch on the
         modules' training flags, and tensors it makes without inputs (torch.ones(3)) become
         constants of the default dtype."""
-        return (*(m.training for m in self._modules), torch.get_default_dtype())
+        return (*(m.training for m in self._watched), torch.get_default_dtype())
 
     def programs(self) -> list[Program]:
         """The compiled specialisations this wrapper holds, oldest first."""
         own = [p for p in self._cache.values() if isinstance(p, Program)]
         return own + [p for sub in self._subgraphs for p in sub.programs()]
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Pickled (and deep-copied): the model or function and braze's options; programs are
+        compiled again, on the first call after loading."""
+        return _compiled_again, (self.fn, self.mode, self.cache_size)
 
-def _dynamo_fallback(wrapper: CompiledModule, why: str) -> Callable[..., Any] | None:
+
+class CompiledModule(CompiledFunction, torch.nn.Module):
+    """What `braze.compile` returns for an nn.Module: an nn.Module itself, as torch.compile's
+    OptimizedModule is. The model is its submodule `_orig_mod`, so `train()`, `eval()`, `to()`
+    and `parameters()` reach it; `state_dict()` and `load_state_dict()` are the model's own (the
+    same keys), and any other attribute is read from the model."""
+
+    def __init__(self, fn: torch.nn.Module, mode: str = "exact", cache_size: int | None = None) -> None:
+        torch.nn.Module.__init__(self)
+        self._orig_mod = fn
+        self.training = fn.training
+        CompiledFunction.__init__(self, fn, mode, cache_size)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Only the model is a submodule: braze's own attributes (the model as `fn`, TorchDynamo's
+        # callable...) must not become modules, parameters or state_dict entries.
+        if name == "_orig_mod":
+            torch.nn.Module.__setattr__(self, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name in ("fn", "_orig_mod", "_modules"):
+                raise
+            return getattr(self.fn, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._slow(args, kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn.load_state_dict(*args, **kwargs)
+
+
+def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] | None:
     """Hand the model to TorchDynamo with braze as backend; None (eager) if that is impossible."""
     try:
         from .backend import braze_backend, exact
@@ -457,14 +515,16 @@ def _dynamo_fallback(wrapper: CompiledModule, why: str) -> Callable[..., Any] | 
     if config.debug:
         debug.log(f"braze: {why}; capturing with TorchDynamo instead")
 
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return compiled(*args)
+            return compiled(*args, **kwargs)
         except Exception:
-            # Dynamo itself failing where eager works must not break the user: eager decides.
+            # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
+            # failing where eager works must not break the user (it runs eagerly from then on).
+            out = wrapper.fn(*args, **kwargs)
             wrapper._say(f"{why}; TorchDynamo capture failed too")
             wrapper._dynamo = wrapper.fn
-            return wrapper.fn(*args)
+            return out
 
     return call
 
@@ -475,5 +535,11 @@ def compile(fn: Callable[..., Any] | None = None, *, mode: str = "exact", cache_
     Works as `braze.compile(model)`, `@braze.compile` and `@braze.compile(mode=...)`.
     """
     if fn is None:
-        return lambda f: CompiledModule(f, mode=mode, cache_size=cache_size)
-    return CompiledModule(fn, mode=mode, cache_size=cache_size)
+        return lambda f: compile(f, mode=mode, cache_size=cache_size)
+    kind = CompiledModule if isinstance(fn, torch.nn.Module) else CompiledFunction
+    return kind(fn, mode=mode, cache_size=cache_size)
+
+
+def _compiled_again(fn: Callable[..., Any], mode: str, cache_size: int) -> Any:
+    """A wrapper unpickled: compiled afresh, lazily."""
+    return compile(fn, mode=mode, cache_size=cache_size)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .api import BrazeWarning, CompiledModule
+from .api import BrazeWarning, CompiledFunction
 from .capture import from_graph_module
 
 # TorchDynamo's handlers that trace a call as other arithmetic: (class, attribute) for methods
@@ -119,6 +119,6 @@ def exact(backend: Callable[..., Any]) -> Callable[..., Any]:
 @exact
 def braze_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """A TorchDynamo backend: returns a braze wrapper of `gm` (compiled on its first call)."""
-    wrapper = CompiledModule(gm)
+    wrapper = CompiledFunction(gm)
     wrapper.use_capture(from_graph_module(gm))
     return wrapper

@@ -65,6 +65,14 @@ def _placement(prog: Program) -> str:
     return "\n".join(lines)
 
 
+def compilations(wrapper: Any) -> str:
+    """Each program a wrapper compiled (its TorchDynamo graphs' too), with why and how long."""
+    rows = [(f"graph {i}: ", c) for i, sub in enumerate(wrapper._subgraphs) for c in sub.compilations]
+    rows = [("", c) for c in wrapper.compilations] + rows
+    lines = [f"  {n:>3}. {where}{c.why}  ({c.ms:.1f} ms)" for n, (where, c) in enumerate(rows, 1)]
+    return "\n".join(lines) or "  (none yet)"
+
+
 def sections(prog: Program, captured_graph: Any) -> dict[str, str]:
     out = {
         "captured graph (torch.fx)": str(captured_graph),

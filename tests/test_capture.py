@@ -131,3 +131,53 @@ def test_advanced_indexing_copies(index):
     x = torch.randn(4, 5)
     check_model(lambda t: t[index] * 2, (x,))
     dynamo_check(lambda t: t[index] * 2, x)
+
+
+class KwargsForward(torch.nn.Module):
+    """A forward of **kwargs, as Hugging Face models have: FX cannot bind them positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids=None, **kwargs):
+        mask = kwargs.get("attention_mask")
+        y = torch.relu(self.fc(input_ids))
+        return y if mask is None else y * mask
+
+
+def test_keyword_calls_of_a_kwargs_forward_are_compiled_by_dynamo():
+    model = KwargsForward().eval()
+    compiled = braze.compile(model)
+    x, mask = torch.randn(4, 8), (torch.rand(4, 8) > 0.5).float()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", braze.BrazeWarning)
+        for kwargs in (
+            {"input_ids": x, "attention_mask": mask},
+            {"input_ids": x},
+            {"input_ids": x, "attention_mask": mask},
+        ):
+            assert_same(compiled(**kwargs), model(**kwargs))
+    assert compiled.programs(), "TorchDynamo's graphs are compiled by braze"
+
+
+class BranchyLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if y.sum() > 0 else y - 1  # FX cannot trace this: TorchDynamo captures
+
+
+def test_bad_inputs_through_dynamo_raise_eagers_error_and_keep_compiling():
+    model = BranchyLinear().eval()
+    compiled = braze.compile(model)
+    x = torch.ones(2, 4)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            compiled(torch.ones(2, 3))
+        assert torch.equal(compiled(x), model(x))
+    assert compiled._dynamo is not model, "TorchDynamo still captures after a bad call"

@@ -657,3 +657,5 @@ def test_compilations_say_why():
         "argument 0: strides (64, 1) -> (1, 8)",
     ]
     assert all(c.ms > 0 for c in compiled.compilations)
+    report = braze.explain(compiled, torch.randn(4, 64))
+    assert "2. argument 0: shape (4, 64) -> (8, 64)" in report.sections["compilations of this wrapper"]

@@ -1,0 +1,122 @@
+"""Serving figures (issue 12): how often braze compiles when shapes change, and what it costs.
+
+    python benchmarks/serving.py            # needs transformers (pip install -e '.[bench]')
+
+- llama: Hugging Face LlamaModel (hidden 128, 2 layers, 4 heads, 2 KV heads, vocab 1000), ids
+  2x32: compilations, torch.equal to eager, steady speed-up (median of interleaved rounds).
+- bert-stream: BertModel (hidden 128, 2 layers, 2 heads, intermediate 512, vocab 1000), 80
+  calls with batch 1-8 and sequence 1-128 (seeded): every output torch.equal to eager,
+  compilations, braze's and eager's total time over calls 11-80 (each call timed alone,
+  braze and eager interleaved).
+- lesson-stream: the lesson MLP, 80 calls with batch 1-256: the same figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+
+import braze
+
+
+def _compilations(compiled: braze.CompiledFunction) -> int:
+    return len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+
+
+def _timed(fn, *args, **kwargs) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def _first(out):
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+def stream(name: str, model: torch.nn.Module, calls: list[dict]) -> dict:
+    compiled = braze.compile(model)
+    equal, eager_s, braze_s = True, 0.0, 0.0
+    with torch.no_grad():
+        for i, kwargs in enumerate(calls):
+            order = (model, compiled) if i % 2 else (compiled, model)
+            outs = {}
+            for fn in order:
+                outs[fn is model], took = _timed(fn, **kwargs)
+                if i >= 10:
+                    if fn is model:
+                        eager_s += took
+                    else:
+                        braze_s += took
+            equal &= torch.equal(_first(outs[True]), _first(outs[False]))
+    n = _compilations(compiled)
+    print(
+        f"{name}: {len(calls)} calls, all torch.equal to eager: {equal}; {n} compilations; "
+        f"calls 11-{len(calls)}: braze {braze_s * 1e3:.1f} ms, eager {eager_s * 1e3:.1f} ms "
+        f"({eager_s / braze_s:.2f}x)"
+    )
+    return {"equal": equal, "compilations": n, "braze_s": braze_s, "eager_s": eager_s}
+
+
+def steady(name: str, model: torch.nn.Module, kwargs: dict, rounds: int = 15, number: int = 20) -> dict:
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        first = _timed(compiled, **kwargs)[1]
+        equal = torch.equal(_first(compiled(**kwargs)), _first(model(**kwargs)))
+        ratios = []
+        for _ in range(rounds):
+            e = min(_timed(lambda: [model(**kwargs) for _ in range(number)])[1] for _ in range(2))
+            b = min(_timed(lambda: [compiled(**kwargs) for _ in range(number)])[1] for _ in range(2))
+            ratios.append(e / b)
+    n = _compilations(compiled)
+    print(
+        f"{name}: first call {first * 1e3:.0f} ms; torch.equal: {equal}; {n} compilation(s); "
+        f"speed-up vs eager {statistics.median(ratios):.2f}x (median of {rounds} interleaved rounds)"
+    )
+    return {"equal": equal, "compilations": n, "speedup": statistics.median(ratios)}
+
+
+def main() -> None:
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    llama = LlamaModel(
+        LlamaConfig(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            intermediate_size=256,
+        )
+    ).eval()
+    steady("llama", llama, {"input_ids": torch.randint(0, 1000, (2, 32))})
+
+    bert = BertModel(
+        BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=1000)
+    ).eval()
+    gen = torch.Generator().manual_seed(0)
+    sizes = [(int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(1, 129, (), generator=gen))) for _ in range(80)]
+    stream("bert-stream", bert, [{"input_ids": torch.randint(0, 1000, s, generator=gen)} for s in sizes])
+
+    lesson = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
+    batches = [int(torch.randint(1, 257, (), generator=gen)) for _ in range(80)]
+    stream("lesson-stream", _Positional(lesson), [{"x": torch.randn(b, 64, generator=gen)} for b in batches])
+
+
+class _Positional(torch.nn.Module):
+    """The lesson MLP, called with a keyword its forward names."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+
+if __name__ == "__main__":
+    main()
