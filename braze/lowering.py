@@ -585,6 +585,20 @@ def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     return args[0]
 
 
+def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """x.to(...), .float(), .type_as(y), ...: x itself where ATen returns x unchanged (the dtype,
+    device and layout asked for are x's own: Llama's and T5's `.to(float32)` on float32), which
+    depends on layouts only; a conversion that copies runs through ATen."""
+    src = args[0]
+    if not (isinstance(src, Sym) and src.is_tensor):
+        raise NotNative("a conversion of a non-tensor")
+    example = lw.example(src)
+    rest = _map(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
+    if fn(example, *rest[0], **rest[1]) is not example:
+        raise NotNative("a conversion that copies")
+    return src
+
+
 def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     if isinstance(fn, torch.nn.Module):
         lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
@@ -898,6 +912,7 @@ def _rows() -> None:
     register(F.prelu, torch.prelu, nn.PReLU)(_prelu)
     register(torch.where, "where")(_where)
     register(nn.Identity)(_identity)
+    register("to", "type", "type_as", "float", "double", "cpu")(_conversion)
     register(F.dropout, nn.Dropout)(_dropout)
     register(
         torch.reshape,

@@ -215,3 +215,16 @@ def test_cat_cases_aten_handles_otherwise():
     with pytest.raises(RuntimeError), warnings.catch_warnings():
         warnings.simplefilter("ignore", braze.BrazeWarning)
         bad(a)
+
+
+def test_conversions_to_a_tensors_own_dtype_are_the_tensor_itself():
+    x, y = special(7, 33), special(7, 33).double()
+    for f in (
+        lambda t: (t.to(torch.float32) * 2).float(),
+        lambda t: t.to(t.dtype).type_as(t).cpu() + 1,
+        lambda t: t.to("cpu", torch.float32).type(torch.float32).relu(),
+    ):
+        check_model(f, (x,), kernels=1, externs=0)
+    check_model(lambda t, d: t.to(d.dtype) * 2, (x, y), externs=2)  # a copy to float64, and float64 math: ATen
+    check_model(lambda t: t.to(torch.float32, copy=True) * 2, (x,), externs=1)
+    check_model(lambda t: t.double() * 2, (x,), externs=2)
