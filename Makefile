@@ -16,8 +16,8 @@ demo: $(BIN)/braze
 	$(BIN)/braze demo
 
 test: $(BIN)/braze
-	$(BIN)/ruff check braze tests examples
-	$(BIN)/ruff format --check braze tests examples
+	$(BIN)/ruff check braze tests examples benchmarks
+	$(BIN)/ruff format --check braze tests examples benchmarks
 	$(BIN)/python -m pytest
 
 # The whole OpInfo sweep: every float32 CPU op on both capture paths, 1 and 2 threads, strided

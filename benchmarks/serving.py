@@ -99,7 +99,9 @@ def main() -> None:
         BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=1000)
     ).eval()
     gen = torch.Generator().manual_seed(0)
-    sizes = [(int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(1, 129, (), generator=gen))) for _ in range(80)]
+    sizes = [
+        (int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(1, 129, (), generator=gen))) for _ in range(80)
+    ]
     stream("bert-stream", bert, [{"input_ids": torch.randint(0, 1000, s, generator=gen)} for s in sizes])
 
     lesson = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()

@@ -33,6 +33,9 @@ from .passes import run_passes
 from .runtime import Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
+# A storm: this many compilations within this many calls of a wrapper's slow path (the fast path,
+# native, is not counted: every compilation starts on the slow path).
+STORM = (8, 100)
 
 # Each wrapper of a module has an epoch, bumped when one of its model's modules gains or replaces
 # a parameter, buffer or submodule, so that it sees `model.fc.weight = nn.Parameter(...)` and
@@ -212,6 +215,13 @@ def _difference(old: tuple | None, new: tuple) -> str:
     return "the same signature"
 
 
+def _topic(why: str) -> str:
+    """What a compilation's reason is about: "argument 0: shape (4, 64) -> (8, 64)" is about
+    argument 0's shape."""
+    head, _, tail = why.partition(": ")
+    return f"{head}'s {tail.split()[0]}" if head.startswith("argument") and tail else head
+
+
 def _signature(args: tuple[Any, ...]) -> tuple:
     sig = []
     for a in args:
@@ -253,6 +263,8 @@ class CompiledFunction:
         self.compilations: list[Compilation] = []  # every program compiled, and why
         self._last_key: tuple | None = None  # the signature compiled last
         self._why = ""  # why the next compilation happens, when it is not a new signature
+        self._slow_calls = 0  # calls the slow path has taken
+        self._compiled_at: collections.deque[int] = collections.deque(maxlen=STORM[0])
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._watched: tuple[torch.nn.Module, ...] = ()
         self._params: list[torch.nn.Parameter] = []
@@ -278,6 +290,7 @@ class CompiledFunction:
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         """Everything the fast path does not: bind keywords, decide eager or native, look up or
         compile the program for this signature, and make it the next call's fast path."""
+        self._slow_calls += 1
         outer = getattr(_running, "wrappers", ())
         _running.wrappers = (*outer, self)
         try:
@@ -366,6 +379,21 @@ class CompiledFunction:
         for prog in self.programs():
             prog.rebind(old, new)
 
+    def _storm(self) -> None:
+        """Say once when compilations keep coming (STORM), and what keeps changing."""
+        count, calls = STORM
+        if len(self._compiled_at) < count or self._slow_calls - self._compiled_at[0] >= calls or "storm" in self._said:
+            return
+        self._said.add("storm")
+        whys = collections.Counter(_topic(c.why) for c in self.compilations[-count:])
+        what, _ = whys.most_common(1)[0]
+        ms = sum(c.ms for c in self.compilations[-count:]) / count
+        self._say(
+            f"{count} compilations in its last {self._slow_calls - self._compiled_at[0] + 1} calls, mostly for "
+            f"{what} ({ms:.0f} ms each): each program is specialised to its shapes (see compiled.compilations)",
+            eagerly=False,
+        )
+
     def _needs_grad(self, args: tuple) -> bool:
         return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or any(
             p.requires_grad for p in self._params
@@ -386,10 +414,11 @@ class CompiledFunction:
         for m in self._watched:
             _watching.setdefault(m, weakref.WeakSet()).add(self)
 
-    def _say(self, why: str) -> None:
+    def _say(self, why: str, eagerly: bool = True) -> None:
         if why not in self._said:
             self._said.add(why)
-            message = f"braze: running {capture._name(self.fn)} eagerly: {why}"
+            doing = "running {} eagerly" if eagerly else "{} keeps compiling"
+            message = f"braze: {doing.format(capture._name(self.fn))}: {why}"
             warnings.warn(message, BrazeWarning, stacklevel=_caller_level())
 
     def _eager(self, why: str, args: Any, kwargs: dict) -> Any:
@@ -409,6 +438,8 @@ class CompiledFunction:
                 entry.bind(self._on_miss)
                 self.compilations.append(Compilation(self._why or _difference(self._last_key, key), entry.total_ms))
                 self._why, self._last_key = "", key
+                self._compiled_at.append(self._slow_calls)
+                self._storm()
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)

@@ -659,3 +659,14 @@ def test_compilations_say_why():
     assert all(c.ms > 0 for c in compiled.compilations)
     report = braze.explain(compiled, torch.randn(4, 64))
     assert "2. argument 0: shape (4, 64) -> (8, 64)" in report.sections["compilations of this wrapper"]
+
+
+def test_a_compilation_storm_is_said_once_with_what_keeps_changing():
+    model = lesson()
+    compiled = braze.compile(model)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for batch in range(1, 3 * braze.api.STORM[0]):
+            compiled(torch.randn(batch, 64))
+    storms = [str(w.message) for w in said if "keeps compiling" in str(w.message)]
+    assert len(storms) == 1 and "mostly for argument 0's shape" in storms[0], storms
