@@ -195,7 +195,7 @@ _STATE = ("the default dtype", "ATen's float32 matmul precision", "MKL's thread 
 
 
 def _difference(old: tuple | None, new: tuple) -> str:
-    """What differs between two call signatures (see CompiledModule._miss for their parts)."""
+    """What differs between two call signatures (see CompiledFunction._miss for their parts)."""
     if old is None:
         return "first call"
     if len(old) != len(new):

@@ -26,8 +26,8 @@ import torch
 from .api import BrazeWarning, CompiledFunction
 from .capture import from_graph_module
 
-# TorchDynamo's handlers that trace a call as other arithmetic: (class, attribute) for methods
-# of a variable class, or a torch function whose special handler it is.
+# TorchDynamo's handlers that trace a call as other arithmetic: TensorVariable's methods for
+# tensor methods, and the special handlers of torch functions.
 _TENSOR_METHODS = ("method_add_", "method_addcmul_", "method_addcdiv_")
 _TORCH_FUNCTIONS = ("addcdiv", "_foreach_pow", "_foreach_lerp_")
 
@@ -64,7 +64,7 @@ def _declining(original: Callable[..., Any]) -> Callable[..., Any]:
     return handler
 
 
-_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)) + os.sep + "braze")
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
 
 class _RecompileLimit(logging.Handler):
@@ -92,7 +92,7 @@ class _RecompileLimit(logging.Handler):
 
 
 @functools.cache
-def keep_eager_arithmetic() -> None:
+def prepare_dynamo() -> None:
     """Make TorchDynamo's rewriting handlers decline in traces for braze, and its recompile
     limit loud (once per process). On a TorchDynamo without the handlers there is nothing to do."""
     logging.getLogger("torch._dynamo.convert_frame").addHandler(_RecompileLimit())
@@ -111,7 +111,7 @@ def keep_eager_arithmetic() -> None:
 
 def exact(backend: Callable[..., Any]) -> Callable[..., Any]:
     """Mark `backend` as braze's, so TorchDynamo traces eager's arithmetic for it."""
-    keep_eager_arithmetic()
+    prepare_dynamo()
     backend.braze_exact = True  # type: ignore[attr-defined]
     return backend
 
