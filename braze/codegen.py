@@ -231,7 +231,7 @@ class ModuleBuilder:
 
     # --- BMM ---------------------------------------------------------------------------------
     def _bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """ATen's bmm for float32 (see lowering.bmm_blas_args): one cblas_sgemm_batch call, one
+        """ATen's bmm for float32 (see lowering.gemm.bmm_blas_args): one cblas_sgemm_batch call, one
         group, with per-matrix pointers (batch2's as A, batch1's as B: column-major BLAS)."""
         blas = k.attrs["blas"]
         batch, c = blas["batch"], self.slot_of(k.name)

@@ -157,7 +157,7 @@ def mkl_threads() -> int:
 
 
 def one_thread_same(blas: dict[str, Any], beta: float) -> bool:
-    """Whether sgemm_ with these arguments (lowering.blas_args) gives the same bits on one thread
+    """Whether sgemm_ with these arguments (lowering.gemm.blas_args) gives the same bits on one thread
     as on mkl_threads().
 
     MKL splits a GEMM between threads in ways that can change its order of operations: 7x64x64

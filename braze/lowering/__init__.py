@@ -1,0 +1,159 @@
+"""Stage 2, lowering: an FX graph plus example inputs becomes a braze IR graph.
+
+Each FX node is run on example tensors (a copy of the first call's arguments, or what earlier
+ops gave), which gives eager's exact output layout and raises eager's errors for bad shapes.
+Then the lowering registry (one row per op, the table below) turns it into IR; an op without a
+row, or with arguments a row cannot do bit-exactly, becomes an EXTERN node that calls the same
+torch function at run time. In-place ops are rewritten to functional ones when the value they
+change is braze's own intermediate; changing an input or a view is `Unsupported`.
+
+    core.py         the Lowerer, the registry, helpers
+    elementwise.py  arithmetic, comparisons, activations, clamps
+    views.py        views, conversions, cat/stack, identity, dropout
+    gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from ..ir import Op
+from .core import LOWERINGS, Lowered, Lowerer, NotNative, Sym, Unsupported, lower, register, to_meta
+from .elementwise import (
+    _binary,
+    _clamp,
+    _clamp_one,
+    _hardsigmoid,
+    _hardswish,
+    _hardtanh_any,
+    _leaky_relu_any,
+    _masked_fill,
+    _pow,
+    _pow_by,
+    _prelu,
+    _relu6,
+    _rsub,
+    _threshold,
+    _unary,
+    _where,
+)
+from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
+from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op
+
+__all__ = [
+    "LOWERINGS",
+    "Lowered",
+    "Lowerer",
+    "NotNative",
+    "Sym",
+    "Unsupported",
+    "lower",
+    "register",
+    "to_meta",
+    "blas_args",
+    "bmm_blas_args",
+]
+
+
+def _rows() -> None:
+    nn = torch.nn
+    for op, keys in {
+        Op.ADD: (operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__iadd__", "__radd__"),
+        Op.SUB: (operator.sub, operator.isub, torch.sub, torch.subtract, "sub", "sub_", "__sub__", "__isub__"),
+        Op.MUL: (
+            operator.mul,
+            operator.imul,
+            torch.mul,
+            torch.multiply,
+            "mul",
+            "mul_",
+            "__mul__",
+            "__imul__",
+            "__rmul__",
+        ),
+        Op.DIV: (
+            operator.truediv,
+            operator.itruediv,
+            torch.div,
+            torch.true_divide,
+            "div",
+            "div_",
+            "__truediv__",
+            "__itruediv__",
+        ),
+        Op.MAXIMUM: (torch.maximum, "maximum"),
+        Op.MINIMUM: (torch.minimum, "minimum"),
+        Op.LT: (operator.lt, torch.lt, torch.less, "lt", "less", "__lt__"),
+        Op.LE: (operator.le, torch.le, torch.less_equal, "le", "less_equal", "__le__"),
+        Op.GT: (operator.gt, torch.gt, torch.greater, "gt", "greater", "__gt__"),
+        Op.GE: (operator.ge, torch.ge, torch.greater_equal, "ge", "greater_equal", "__ge__"),
+        Op.EQ: (operator.eq, torch.eq, "eq", "__eq__"),
+        Op.NE: (operator.ne, torch.ne, torch.not_equal, "ne", "not_equal", "__ne__"),
+    }.items():
+        register(*keys)(_binary(op))
+    register(torch.rsub, "rsub", "__rsub__")(_rsub)
+    register(operator.neg, torch.neg, torch.negative, "neg", "neg_", "__neg__")(_unary(Op.NEG))
+    register(operator.abs, torch.abs, "abs", "abs_", "__abs__")(_unary(Op.ABS))
+    register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
+    register(torch.square, "square", "square_")(_pow_by(2))
+    register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))
+    register(torch.masked_fill, "masked_fill", "masked_fill_")(_masked_fill)
+    register(torch.cat, torch.concat, torch.concatenate)(_cat)
+    register(torch.stack)(_stack)
+    register(torch.clamp_min, "clamp_min", "clamp_min_")(_clamp_one(lo=True))
+    register(torch.clamp_max, "clamp_max", "clamp_max_")(_clamp_one(lo=False))
+    register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_unary(Op.RELU))
+    register(F.leaky_relu, F.leaky_relu_, nn.LeakyReLU)(_leaky_relu_any)
+    register(torch.clamp, torch.clip, "clamp", "clip", "clamp_", "clip_")(_clamp)
+    register(F.hardtanh, F.hardtanh_, nn.Hardtanh)(_hardtanh_any)
+    register(F.relu6, nn.ReLU6)(_relu6)
+    register(F.hardsigmoid, nn.Hardsigmoid)(_hardsigmoid)
+    register(F.hardswish, nn.Hardswish)(_hardswish)
+    register(F.threshold, F.threshold_, torch.threshold, nn.Threshold)(_threshold)
+    register(F.prelu, torch.prelu, nn.PReLU)(_prelu)
+    register(torch.where, "where")(_where)
+    register(nn.Identity)(_identity)
+    register("to", "type", "type_as", "float", "double", "cpu")(_conversion)
+    register(F.dropout, nn.Dropout)(_dropout)
+    register(
+        torch.reshape,
+        torch.flatten,
+        torch.transpose,
+        torch.permute,
+        torch.t,
+        torch.unsqueeze,
+        torch.squeeze,
+        torch.swapaxes,
+        torch.movedim,
+        torch.narrow,
+        "view",
+        "reshape",
+        "flatten",
+        "transpose",
+        "permute",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "contiguous",
+        "view_as",
+        "reshape_as",
+        "swapaxes",
+        "narrow",
+        "movedim",
+        "unflatten",
+    )(_view_op)
+    register(nn.Flatten, nn.Unflatten)(_view_op)
+    register(operator.getitem, "__getitem__")(_getitem)
+    register(F.linear, nn.Linear)(_linear)
+    register(torch.bmm, "bmm")(_bmm)
+    register(torch.addmm, "addmm")(_addmm)
+    register(torch.mm, "mm")(_mm)
+    register(torch.matmul, operator.matmul, "matmul", "__matmul__")(_matmul)
+
+
+_rows()

@@ -1,0 +1,396 @@
+"""The lowering machinery: the Lowerer runs an FX graph node by node on example tensors (a copy of
+the first call's arguments), learning eager's exact output layouts and errors, and asks the
+registry (LOWERINGS, one row per op; the rows live in this package's family modules) for each
+op's IR. An op without a row, or with arguments a row cannot do bit-exactly, becomes an EXTERN
+node that calls the same torch function at run time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import config
+from ..capture import Captured
+from ..ir import COMPARE, Graph, Node, Op, Operand, TensorMeta
+
+
+class Unsupported(Exception):
+    """The graph as a whole cannot be compiled; braze runs it eagerly and says why."""
+
+
+class NotNative(Exception):
+    """This one op runs through ATen; the message says why."""
+
+
+@dataclass
+class Sym:
+    """A value during lowering: its IR name and its meta tensor (or a structure of them)."""
+
+    name: str
+    meta: Any
+
+    @property
+    def is_tensor(self) -> bool:
+        """A strided tensor (a sparse or other result of an ATen call is an opaque value)."""
+        return _strided(self.meta)
+
+
+@dataclass
+class Lowered:
+    graph: Graph
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]  # per output leaf: an IR value name (str) or a constant ("const", x)
+    externs: list[tuple[str, str]]  # (op, why) for every EXTERN node
+    n_args: int  # positional arguments the program takes
+    reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
+    layout_read: frozenset[str] = frozenset()  # see Lowerer.layout_read
+
+
+def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A meta tensor with t's layout, of t's dtype or `dtype` (built without Python meta kernels,
+    the first of which would import sympy: ~0.3 s)."""
+    m = TensorMeta.of(t)
+    base = torch.empty(max(m.span, 1), dtype=dtype or t.dtype, device="meta")
+    return base.as_strided(m.shape, m.stride, m.offset)
+
+
+# The registry: op key (a torch callable, a method name or a module class) -> its row, which takes
+# (lowerer, fn, args, kwargs, meta result) and returns a Sym, or raises NotNative.
+LOWERINGS: dict[Any, Callable[..., Sym]] = {}
+# Output layouts of ops whose Python meta kernels would import sympy (see _example_call).
+META_RULES: dict[Any, Callable[..., torch.Tensor | None]] = {}
+
+
+def register(*keys: Any) -> Callable[[Callable[..., Sym]], Callable[..., Sym]]:
+    def deco(fn: Callable[..., Sym]) -> Callable[..., Sym]:
+        for k in keys:
+            LOWERINGS[k] = fn
+        return fn
+
+    return deco
+
+
+class Lowerer:
+    def __init__(self, captured: Captured) -> None:
+        self.captured = captured
+        self.nodes: list[Node] = []
+        self.inputs: list[str] = []
+        self.param_syms: dict[int, Sym] = {}
+        self.base: dict[str, str] = {}  # view (or aliasing extern result) -> the value owning memory
+        self.view_root: dict[str, str] = {}  # VIEW -> the value it is addressed from
+        self.viewed: set[str] = set()
+        # Values whose layout a compile-time decision rests on (a native op or view reads it, a
+        # size query was folded): an EXTERN result among them is checked at run time.
+        self.layout_read: set[str] = set()
+        self.ops: dict[str, Op] = {}
+        self.externs: list[tuple[str, str]] = []
+        self.reads_training: list[torch.nn.Module] = []
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.real: dict[str, Any] = {}  # example value of each Sym (see example())
+
+    # --- building IR -------------------------------------------------------------------------
+    def emit(self, op: Op, inputs: tuple[Operand, ...], meta: Any, prefix: str = "v", **attrs: Any) -> Sym:
+        name = f"{prefix}{len(self.nodes)}"
+        tmeta = TensorMeta.of(meta) if _strided(meta) else None
+        self.nodes.append(Node(name, op, inputs, tmeta, attrs))
+        self.ops[name] = op
+        return Sym(name, meta)
+
+    def param(self, t: torch.Tensor, label: str) -> Sym:
+        if id(t) not in self.param_syms:
+            self.param_syms[id(t)] = self.emit(Op.PARAM, (), to_meta(t), "p", label=label, tensor=t)
+        return self.param_syms[id(t)]
+
+    def owner(self, name: str) -> str:
+        return self.base.get(name, name)
+
+    def view(self, src: Sym, fn: Callable[[torch.Tensor], torch.Tensor]) -> Sym:
+        """`fn(src)` for a view-like fn, as IR: the same value, a VIEW, or a copy then a VIEW.
+
+        `fn` runs on src's example tensor; whether the result shares its memory decides.
+        """
+        example = self.example(src)
+        res = fn(example)
+        if res is example:
+            return src
+        if _aliased(res, {src.name: example}) is not None:
+            # An EXTERN result that aliases memory is addressed from its own data pointer: a
+            # value-decided view (narrow with a tensor start) moves from call to call.
+            root = self.view_root.get(src.name, src.name)
+            self.viewed.update((root, self.owner(root)))
+            sym = self.emit(Op.VIEW, (root,), to_meta(res))
+            self.base[sym.name] = self.owner(root)
+            self.view_root[sym.name] = root
+        elif tuple(res.shape) != tuple(example.shape):
+            # reshape of a layout no view can express: ATen copies to contiguous, then views.
+            copied = self.emit(Op.COPY, (src.name,), torch.empty(example.shape, dtype=res.dtype, device="meta"))
+            return self.view(copied, lambda t: t.view(res.shape))
+        else:
+            sym = self.emit(Op.COPY, (src.name,), to_meta(res))
+        self.real[sym.name] = res
+        return sym
+
+    def example(self, s: Sym) -> Any:
+        """The real value of `s` in the first call (an argument's copy, or what an op gave
+        when lowering ran it), else a tensor of zeros laid out like `s`."""
+        if s.name not in self.real:
+            if not s.is_tensor:
+                raise Unsupported(f"{s.name} has no example value")
+            m = s.meta
+            flat = torch.zeros(max(TensorMeta.of(m).span, 1), dtype=m.dtype)
+            self.real[s.name] = flat.as_strided(m.shape, m.stride(), m.storage_offset())
+        return self.real[s.name]
+
+    def elementwise(self, op: Op, operands: tuple[Any, ...], out: Any, **attrs: Any) -> Sym:
+        want = torch.bool if op in COMPARE else torch.float32
+        if not isinstance(out, torch.Tensor) or out.dtype != want:
+            raise NotNative(f"result dtype {getattr(out, 'dtype', type(out))} is not {want}")
+        ir_ops: list[Operand] = []
+        for i, a in enumerate(operands):
+            ir_ops.append(self._operand(a, allow_bool=(op is Op.WHERE and i == 0)))
+        return self.emit(op, tuple(ir_ops), out, **attrs)
+
+    def _operand(self, a: Any, allow_bool: bool) -> Operand:
+        if isinstance(a, Sym):
+            want = torch.bool if allow_bool else torch.float32
+            if not a.is_tensor or a.meta.dtype != want:
+                raise NotNative(f"operand dtype {getattr(a.meta, 'dtype', '?')} is not {want}")
+            return a.name
+        if isinstance(a, (bool, int, float)) and not allow_bool:
+            # ATen casts a Python scalar to the op's float32 compute type before using it.
+            return float(torch.tensor(float(a), dtype=torch.float32).item())
+        raise NotNative(f"operand of type {type(a).__name__}")
+
+    # --- running FX nodes --------------------------------------------------------------------
+    def run(self, example_args: tuple[Any, ...]) -> Lowered:
+        out_node = None
+        placeholders = 0
+        for node in self.captured.graph.nodes:
+            if node.op == "placeholder":
+                if placeholders < len(example_args):
+                    self.env[node] = self._placeholder(node, placeholders, example_args[placeholders])
+                elif node.args:  # a parameter the call left at its default
+                    self.env[node] = node.args[0]
+                else:
+                    raise TypeError(f"missing argument {node.target!r}")
+                placeholders += 1
+            elif node.op == "get_attr":
+                self.env[node] = self._get_attr(node.target)
+            elif node.op == "output":
+                out_node = node
+            else:
+                self.env[node] = self._call(node)
+        return self._finish(out_node, len(example_args))
+
+    def _placeholder(self, node: torch.fx.Node, index: int, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value  # specialised: the runtime guards the exact value
+        sym = self.emit(Op.INPUT, (), to_meta(value), "x", label=node.name, index=index)
+        self.inputs.append(sym.name)
+        # Ops run on the first call's values, as eager runs them: a data-dependent result then
+        # has eager's first layout, and an op that rejects zeros (cholesky) still lowers.
+        self.real[sym.name] = _copy(value)
+        return sym
+
+    def _get_attr(self, target: str) -> Any:
+        obj: Any = self.captured.root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return self.param(obj, target) if isinstance(obj, torch.Tensor) else obj
+
+    def _load(self, a: Any) -> Any:
+        return map_tree(lambda v: self.env[v] if isinstance(v, torch.fx.Node) else v, a)
+
+    def _call(self, node: torch.fx.Node) -> Any:
+        args, kwargs = self._load(node.args), self._load(node.kwargs)
+        if node.op == "call_module":
+            mod = self.captured.root.get_submodule(node.target)
+            return self.call(mod, args, kwargs, key=type(mod), label=f"{node.target} ({type(mod).__name__})")
+        if node.op == "call_method":
+            fn = getattr(torch.Tensor, node.target)
+            return self.call(fn, args, kwargs, key=node.target, label=f".{node.target}")
+        return self.call(node.target, args, kwargs, key=node.target, label=_fn_name(node.target))
+
+    def call(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str) -> Any:
+        """Lower one torch-level call: fold constants, else a native row, else EXTERN."""
+        rule = META_RULES.get(key)
+        out = rule(fn, _metas(args), _metas(kwargs)) if rule is not None else None
+        mutated: list[Sym] = []
+        aliased = out_real = None
+        if out is None:
+            out_real, mutated, aliased = self._example_call(fn, args, kwargs)
+            out = pytree.tree_map(lambda t: to_meta(t) if _strided(t) else t, out_real, is_leaf=_is_size)
+        tensors = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
+        if not tensors and not isinstance(fn, torch.nn.Module):
+            syms = [v for v in leaves((args, kwargs)) if isinstance(v, Sym)]
+            if not syms or (_layout_query(key, args) and all(v.is_tensor for v in syms)):
+                self._layout_read(syms)
+                return out  # sizes, dtypes, ...: constants of this specialisation
+            # .item(), .tolist(), arithmetic on their results: values of the call, read each call
+        emitted = len(self.nodes)
+        result = self._native_or_extern(fn, args, kwargs, key, label, out)
+        fresh = isinstance(result, Sym) and len(self.nodes) > emitted and self.nodes[-1].name == result.name
+        if isinstance(result, Sym) and out_real is not None:
+            self.real.setdefault(result.name, out_real)
+        for m in mutated:
+            self._functionalize(m, result, label)
+        # Only an EXTERN emitted here can alias: a lowering may also hand back an existing value
+        # (contiguous() of a contiguous tensor, dropout in eval), which keeps its own owner.
+        if aliased is not None and fresh and self.ops[result.name] is Op.EXTERN:
+            owner = self.owner(aliased)
+            self.base[result.name] = owner
+            self.viewed.add(owner)
+            self.nodes[-1].attrs["alias_of"] = owner
+        return result
+
+    def _example_call(self, fn: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Sym], str | None]:
+        """Run the op on example tensors to learn eager's output layout, errors and aliasing.
+
+        Not meta tensors: many meta kernels are Python, and the first of them imports sympy
+        (about 2 s here), while the first call must cost milliseconds.
+        """
+        syms = [s for s in leaves((args, kwargs)) if isinstance(s, Sym)]
+        real = {s.name: self.example(s) for s in syms}
+        versions = {n: t._version for n, t in real.items() if isinstance(t, torch.Tensor)}
+        swap = lambda v: real[v.name] if isinstance(v, Sym) else v  # noqa: E731
+        out_real = fn(*map_tree(swap, args), **map_tree(swap, kwargs))
+        mutated = [s for s in syms if s.name in versions and real[s.name]._version != versions[s.name]]
+        return out_real, mutated, _aliased(out_real, real)
+
+    def _native_or_extern(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str, out: Any) -> Any:
+        why = "no native lowering"
+        if key in LOWERINGS and not config.disable_native:
+            try:
+                result = LOWERINGS[key](self, fn, args, kwargs, out)
+            except NotNative as e:
+                why = str(e)
+            else:
+                self._layout_read(leaves((args, kwargs)))
+                return result
+        self.externs.append((label, why))
+        inputs = tuple(dict.fromkeys(s.name for s in leaves((args, kwargs)) if isinstance(s, Sym)))
+        return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
+
+    def _layout_read(self, leaves: list[Any]) -> None:
+        for v in leaves:
+            if isinstance(v, Sym) and v.is_tensor:
+                self.layout_read.add(self.view_root.get(v.name, v.name))
+
+    def _functionalize(self, mutated: Sym, result: Any, label: str) -> None:
+        if self.ops[mutated.name] in (Op.INPUT, Op.PARAM) or mutated.name in self.base:
+            raise Unsupported(f"{label} changes a model input, parameter or view in place")
+        if mutated.name in self.viewed:
+            raise Unsupported(f"{label} changes in place a value that has views")
+        if not isinstance(result, Sym):
+            raise Unsupported(f"{label} changes a value in place and returns no tensor")
+        for k, v in self.env.items():
+            if v is mutated:
+                self.env[k] = result
+
+    def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
+        leaves, spec = pytree.tree_flatten(_mutable(self._load(out_node.args[0])), _is_size)
+        out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
+        outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
+        graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
+        reads = frozenset(self.layout_read)
+        return Lowered(graph, spec, out_leaves, self.externs, n_args, tuple(self.reads_training), reads)
+
+
+def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:
+    """Lower `captured` for inputs laid out like `example_args`."""
+    # fork_rng: example runs of random ops must not move the generator eager will use.
+    with torch.inference_mode(False), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        return Lowerer(captured).run(example_args)
+
+
+def _mutable(x: Any) -> Any:
+    """FX stores outputs in immutable_dict/immutable_list; the caller gets dict/list, as eager."""
+    if isinstance(x, dict):
+        return {k: _mutable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_mutable(v) for v in x]
+    if isinstance(x, torch.Size):
+        return x
+    if isinstance(x, tuple) and type(x) is not tuple and hasattr(x, "_fields"):
+        return type(x)(*(_mutable(v) for v in x))
+    if isinstance(x, tuple):
+        return tuple(_mutable(v) for v in x)
+    return x
+
+
+def _strided(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory of its own, with t's sizes, strides and storage offset."""
+    m = TensorMeta.of(t)
+    buf = torch.empty(max(m.span, 1), dtype=t.dtype)
+    if m.span > m.offset:
+        buf[m.offset : m.span] = t.as_strided((m.span - m.offset,), (1,), m.offset)
+    return buf.as_strided(m.shape, m.stride, m.offset)
+
+
+# Calls whose result depends on their tensor arguments' layouts only, not on their values.
+_LAYOUT_METHODS = frozenset(
+    "size dim ndimension stride numel nelement element_size is_contiguous storage_offset "
+    "is_floating_point is_complex is_signed get_device __len__ type".split()
+)
+_LAYOUT_FUNCTIONS = frozenset({len, torch.numel, torch.is_tensor, torch.is_floating_point, torch.is_complex})
+_LAYOUT_ATTRS = frozenset("shape dtype device ndim layout is_cuda is_sparse is_meta itemsize nbytes".split())
+
+
+def _layout_query(key: Any, args: tuple) -> bool:
+    if key is getattr:
+        return len(args) >= 2 and args[1] in _LAYOUT_ATTRS
+    return key in _LAYOUT_METHODS or key in _LAYOUT_FUNCTIONS
+
+
+def _is_size(x: Any) -> bool:
+    """A torch.Size is one value: pytree would take it apart and rebuild it as a plain tuple."""
+    return isinstance(x, torch.Size)
+
+
+def map_tree(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """pytree.tree_map, also inside slices (`x[: n]` with a traced n)."""
+    within = lambda v: slice(fn(v.start), fn(v.stop), fn(v.step)) if isinstance(v, slice) else fn(v)  # noqa: E731
+    return pytree.tree_map(within, tree, is_leaf=_is_size)
+
+
+def leaves(tree: Any) -> list[Any]:
+    """pytree.tree_leaves, with a slice's start, stop and step as leaves."""
+    out: list[Any] = []
+    for v in pytree.tree_leaves(tree, is_leaf=_is_size):
+        out.extend((v.start, v.stop, v.step) if isinstance(v, slice) else (v,))
+    return out
+
+
+def _metas(tree: Any) -> Any:
+    return map_tree(lambda v: v.meta if isinstance(v, Sym) else v, tree)
+
+
+def _aliased(out: Any, inputs: dict[str, Any]) -> str | None:
+    """The input (by name) whose memory some tensor of `out` shares, if any."""
+    storages = {}
+    for name, value in inputs.items():
+        for t in pytree.tree_leaves(value):
+            if _strided(t):
+                storages.setdefault(t.untyped_storage()._cdata, name)
+    for t in pytree.tree_leaves(out):
+        if _strided(t) and t.untyped_storage()._cdata in storages:
+            return storages[t.untyped_storage()._cdata]
+    return None
+
+
+def _fn_name(fn: Any) -> str:
+    mod = getattr(fn, "__module__", "") or ""
+    return f"{mod.replace('torch.nn.functional', 'F')}.{getattr(fn, '__name__', fn)}".lstrip(".")
+
+
+def no_out(kwargs: dict) -> None:
+    if kwargs.get("out") is not None:
+        raise NotNative("out= argument")

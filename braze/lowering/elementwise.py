@@ -1,0 +1,178 @@
+"""Elementwise rows: arithmetic, comparisons, activations and clamps, each in ATen's order of
+operations (the codegen's _scalar_op gives each op ATen's NaN and signed-zero behaviour)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..ir import Op
+from .core import Lowerer, NotNative, Sym, no_out, to_meta
+
+
+def _binary(op: Op) -> Callable[..., Sym]:
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        if kwargs.get("alpha", 1) != 1:
+            raise NotNative("alpha != 1 (ATen fuses it into an FMA)")
+        if kwargs.get("rounding_mode") is not None:
+            raise NotNative("rounding_mode")
+        a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+        if op is Op.DIV and not isinstance(a, Sym):
+            # `2 / x` is Tensor.__rtruediv__: reciprocal(x) * 2 in eager, two roundings.
+            recip = lw.elementwise(Op.DIV, (1.0, b), out)
+            return lw.elementwise(Op.MUL, (recip, a), out)
+        return lw.elementwise(op, (a, b), out)
+
+    return row
+
+
+def _rsub(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    if kwargs.get("alpha", 1) != 1:
+        raise NotNative("alpha != 1")
+    return lw.elementwise(Op.SUB, (args[1], args[0]), out)
+
+
+def _unary(op: Op) -> Callable[..., Sym]:
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        return lw.elementwise(op, (args[0],), out)
+
+    return row
+
+
+def _pow(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's pow with the exponents its CPU kernel computes with IEEE arithmetic instead of
+    std::pow: x * x, x * x * x, 1 / x and 1 / (x * x), in that order of operations. (Its
+    sqrt, for 0.5, is not correctly rounded: through ATen.)"""
+    no_out(kwargs)
+    x, e = args[0], args[1] if len(args) > 1 else kwargs["exponent"]
+    if not isinstance(e, (int, float)) or isinstance(e, bool) or e not in (2, 3, -1, -2):
+        raise NotNative(f"pow with exponent {e!r}")
+    if e == -1:
+        return lw.elementwise(Op.DIV, (1.0, x), out)
+    square = lw.elementwise(Op.MUL, (x, x), out)
+    if e == 2:
+        return square
+    return lw.elementwise(Op.MUL, (square, x), out) if e == 3 else lw.elementwise(Op.DIV, (1.0, square), out)
+
+
+def _pow_by(exponent: int) -> Callable[..., Sym]:
+    """square (2) and reciprocal (-1): ATen computes them as pow does."""
+    return lambda lw, fn, args, kwargs, out: _pow(lw, fn, (args[0], exponent), kwargs, out)
+
+
+def _masked_fill(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """x.masked_fill(mask, value) with a Python value: where(mask, value, x)."""
+    x, mask = args[0], args[1]
+    value = args[2] if len(args) > 2 else kwargs.get("value")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise NotNative("masked_fill with a tensor value")
+    return lw.elementwise(Op.WHERE, (mask, value, x), out)
+
+
+def _leaky_relu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
+    return lw.elementwise(Op.LEAKY_RELU, (args[0],), out, slope=lw._operand(slope, False))
+
+
+def _clamp_bounds(lw: Lowerer, lo: Any, hi: Any, x: Any, out: Any) -> Sym:
+    if isinstance(lo, Sym) or isinstance(hi, Sym):
+        raise NotNative("tensor bounds")
+    bound = lambda v: None if v is None else lw._operand(v, False)
+    return lw.elementwise(Op.CLAMP, (x,), out, lo=bound(lo), hi=bound(hi))
+
+
+def _clamp(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    lo = args[1] if len(args) > 1 else kwargs.get("min")
+    hi = args[2] if len(args) > 2 else kwargs.get("max")
+    return _clamp_bounds(lw, lo, hi, args[0], out)
+
+
+def _hardtanh(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
+    hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
+    return _clamp_bounds(lw, lo, hi, args[0], out)
+
+
+def _clamp_one(lo: bool) -> Callable[..., Sym]:
+    """clamp_min (lo) or clamp_max: clamp with one bound."""
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        bound = args[1] if len(args) > 1 else kwargs.get("min" if lo else "max")
+        return _clamp_bounds(lw, bound if lo else None, None if lo else bound, args[0], out)
+
+    return row
+
+
+def _relu6(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    return _clamp_bounds(lw, 0.0, 6.0, args[0], out)
+
+
+def _hardsigmoid(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's hardsigmoid: min(max(x + 3, 0), 6) / 6, in that order."""
+    return lw.elementwise(Op.DIV, (_shifted_relu6(lw, args[0], out), 6.0), out)
+
+
+def _hardswish(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's hardswish: x * min(max(x + 3, 0), 6) / 6, in that order."""
+    scaled = lw.elementwise(Op.MUL, (args[0], _shifted_relu6(lw, args[0], out)), out)
+    return lw.elementwise(Op.DIV, (scaled, 6.0), out)
+
+
+def _shifted_relu6(lw: Lowerer, x: Any, out: Any) -> Sym:
+    return _clamp_bounds(lw, 0.0, 6.0, lw.elementwise(Op.ADD, (x, 3.0), out), out)
+
+
+def _threshold(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's threshold: x <= threshold ? value : x (NaN stays)."""
+    if isinstance(fn, torch.nn.Module):
+        threshold, value = fn.threshold, fn.value
+    else:
+        threshold = args[1] if len(args) > 1 else kwargs["threshold"]
+        value = args[2] if len(args) > 2 else kwargs["value"]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (threshold, value)):
+        raise NotNative("threshold with tensor bounds")
+    below = lw.elementwise(Op.LE, (args[0], threshold), to_meta(out, torch.bool))
+    return lw.elementwise(Op.WHERE, (below, value, args[0]), out)
+
+
+def _prelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's prelu: the weight reshaped to lie along dimension 1, then x > 0 ? x : weight * x."""
+    x = args[0]
+    if isinstance(fn, torch.nn.PReLU):
+        w = lw.param(fn.weight, "weight")
+    else:
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+    if not (isinstance(x, Sym) and isinstance(w, Sym) and x.is_tensor and w.is_tensor):
+        raise NotNative("prelu of non-tensors")
+    if w.meta.dim() == 1:
+        shape = [1] * x.meta.dim()
+        if len(shape) > 1:
+            shape[1] = w.meta.numel()
+        w = lw.view(w, lambda t: t.reshape(shape))
+    above = lw.elementwise(Op.GT, (x, 0.0), to_meta(out, torch.bool))
+    return lw.elementwise(Op.WHERE, (above, x, lw.elementwise(Op.MUL, (w, x), out)), out)
+
+
+def _where(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    if len(args) != 3:
+        raise NotNative("where with one argument")
+    return lw.elementwise(Op.WHERE, args, out)
+
+
+def _leaky_relu_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    if isinstance(fn, torch.nn.Module):
+        return _leaky_relu(lw, fn, (args[0], fn.negative_slope), {}, out)
+    return _leaky_relu(lw, fn, args, kwargs, out)
+
+
+def _hardtanh_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    if isinstance(fn, torch.nn.Module):
+        return _clamp_bounds(lw, fn.min_val, fn.max_val, args[0], out)
+    return _hardtanh(lw, fn, args, kwargs, out)

@@ -1,0 +1,274 @@
+"""GEMM rows: linear, addmm, mm, matmul and bmm as native BLAS calls with the arguments ATen's own
+CPU kernels pass (so sgemm_ and cblas_sgemm_batch give eager's bits), where ATen calls BLAS."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import config, jit
+from ..ir import Op, TensorMeta, broadcast_shape, contiguous_strides
+from .core import META_RULES, Lowerer, NotNative, Sym, no_out, to_meta
+
+# --- GEMMs: mirror ATen's linear/addmm/mm argument choices, so sgemm_ gets eager's arguments ---
+
+
+def blas_args(c: TensorMeta, m1: TensorMeta, m2: TensorMeta) -> dict[str, Any] | None:
+    """The sgemm_ call ATen's addmm_impl_cpu_ makes for these layouts, or None if it copies."""
+    (rows, cols), s = c.shape, c.stride
+    if s[0] == 1 and (cols == 1 or s[1] >= max(1, rows)):
+        swap = False
+    elif s[1] == 1 and (rows == 1 or s[0] >= max(1, cols)):
+        swap = True
+    else:
+        return None
+    a, b = (m2, m1) if swap else (m1, m2)
+    m, n = (cols, rows) if swap else (rows, cols)
+    k = a.shape[0] if swap else a.shape[1]
+    r, q = (1, 0) if swap else (0, 1)  # the row/column axes as BLAS sees them
+
+    def cast(t: TensorMeta, lead_n: int, lead_t: int) -> bool | None:
+        # transposed for BLAS?  None where ATen would clone the operand first
+        if t.stride[r] == 1 and t.stride[q] >= max(1, lead_n):
+            return False
+        if t.stride[q] == 1 and t.stride[r] >= max(1, lead_t):
+            return True
+        return None
+
+    ta, tb = cast(a, m, k), cast(b, k, n)
+    if ta is None or tb is None:
+        return None
+    lda = a.stride[1 if ta == swap else 0]
+    ldb = b.stride[1 if tb == swap else 0]
+    ldc = c.stride[0 if swap else 1]
+    args = _blas_call(ta, tb, m, n, k, lda, ldb, ldc)
+    return None if args is None else dict(swap=swap, **args)
+
+
+def _blas_call(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, ldc: int) -> dict[str, Any] | None:
+    """cpublas's normalize_last_dims, then its use_blas_gemm test (None: ATen does not call BLAS)."""
+    if n == 1:
+        ldc = m
+    if ta:
+        lda = k if m == 1 else lda
+    elif k == 1:
+        lda = m
+    if tb:
+        ldb = n if k == 1 else ldb
+    elif n == 1:
+        ldb = k
+    big = 2**31 - 1
+    ok = max(m, n, k, lda, ldb, ldc) <= big and lda >= max(1, k if ta else m)
+    ok = ok and ldb >= max(1, n if tb else k) and ldc >= max(1, m)
+    return dict(ta=ta, tb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc) if ok else None
+
+
+def bmm_blas_args(c: TensorMeta, b1: TensorMeta, b2: TensorMeta) -> dict[str, Any] | None:
+    """The cblas_sgemm_batch call ATen's bmm makes for these layouts (LinearAlgebra.cpp:
+    bmm_out_or_baddbmm_, baddbmm_with_gemm_), or None where it takes another path: its own loop
+    below 400 multiply-adds a matrix, per-matrix addmm for other layouts, sgemm_ for one matrix,
+    oneDNN when the float32 matmul precision is reduced (see _full_precision)."""
+    (batch, rows, inner), cols = b1.shape, b2.shape[2]
+    if batch < 2 or rows * cols == 0 or inner * rows * cols < 400 or c.stride != contiguous_strides(c.shape):
+        return None
+
+    def items(t: TensorMeta) -> bool:  # each matrix contiguous or transposed
+        (_, r, q), (_, sr, sq) = t.shape, t.stride
+        return (sq == 1 and (r == 1 or sr >= q)) or (sr == 1 and (q == 1 or sq >= r))
+
+    def transposed(t: TensorMeta) -> bool:
+        return t.stride[1] == 1 and t.stride[2] >= t.shape[1]
+
+    if not (items(b1) and items(b2)):
+        return None
+    ta, tb = transposed(b2), transposed(b1)  # column-major BLAS: A is batch2, B is batch1
+    lda, ldb = b2.stride[2 if ta else 1], b1.stride[2 if tb else 1]
+    args = _blas_call(ta, tb, cols, rows, inner, lda, ldb, c.stride[1])
+    return None if args is None else dict(batch=batch, stride_a=b2.stride[0], stride_b=b1.stride[0], **args)
+
+
+def _full_precision() -> None:
+    """ATen's float32 matmuls call BLAS only in full precision: under a reduced one (bf16, tf32)
+    they may call oneDNN's GEMM instead. Native GEMMs are compiled for the precision of the
+    moment, and the entry checks it on every call."""
+    if jit.matmul_precision() not in jit.FULL_PRECISION:
+        raise NotNative("float32 matmul precision is reduced: ATen may call oneDNN's GEMM")
+
+
+def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
+    _full_precision()
+    for t in (m1, m2) + ((bias,) if bias is not None else ()):
+        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32):
+            raise NotNative("GEMM operands must be float32 tensors")
+    if m1.meta.dim() != 2 or m2.meta.dim() != 2:
+        raise NotNative("GEMM on tensors that are not 2-D")
+    out = _mm_meta(m1.meta, m2.meta)
+    if bias is not None and beta != 0:
+        broadcast_shape(bias.meta.shape, out.shape)  # addmm's check: bias expands to (M, N)
+    args = blas_args(TensorMeta.of(out), TensorMeta.of(m1.meta), TensorMeta.of(m2.meta))
+    if args is None:
+        raise NotNative("layout ATen copies before its GEMM")
+    inputs = (m1.name, m2.name, bias.name if bias is not None and beta != 0 else None)
+    beta = float(beta) if bias is not None else 0.0
+    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, one_thread=_one_thread(args, beta))
+
+
+def _one_thread(blas: dict[str, Any], beta: float) -> bool:
+    """Whether this small GEMM may call sgemm_ on one thread: only where MKL gives the bits it
+    gives on its own thread count (the entry then checks that count on every call)."""
+    flops = 2 * blas["m"] * blas["n"] * blas["k"]
+    if not 0 < flops < config.one_thread_gemm_flops or jit.mkl_threads() == 1:
+        return False
+    return jit.one_thread_same(blas, beta)
+
+
+# --- output layouts of the GEMM family, without their Python meta kernels (see _example_call) ---
+
+
+def _mm_meta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"self must be a matrix (got {a.dim()}-D and {b.dim()}-D)")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})"
+        )
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
+    return torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device="meta")
+
+
+def _linear_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    x, w, b = _linear_parts(fn, args, kwargs)
+    if isinstance(fn, torch.nn.Linear):
+        w, b = to_meta(fn.weight), None if fn.bias is None else to_meta(fn.bias)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or w.dim() != 2:
+        return None
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    out = _mm_meta(torch.empty((rows, x.shape[-1]), dtype=x.dtype, device="meta"), w.t())
+    if b is not None:
+        broadcast_shape(b.shape, out.shape)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def _mm_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    a, b = args[0], args[1]
+    ok = all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (a, b)) and kwargs.get("out") is None
+    return _mm_meta(a, b) if ok else None
+
+
+def _addmm_rule(fn: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    out = _mm_rule(fn, args[1:], kwargs)
+    if out is not None and isinstance(args[0], torch.Tensor):
+        broadcast_shape(args[0].shape, out.shape)
+        return out
+    return None
+
+
+for _k in (F.linear, torch.nn.Linear):
+    META_RULES[_k] = _linear_rule
+for _k in (torch.mm, "mm", torch.matmul, operator.matmul, "matmul", "__matmul__"):
+    META_RULES[_k] = _mm_rule
+for _k in (torch.addmm, "addmm"):
+    META_RULES[_k] = _addmm_rule
+
+
+def _bmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    _full_precision()
+    b1, b2 = args[0], args[1] if len(args) > 1 else kwargs.get("mat2")
+    for t in (b1, b2):
+        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 and t.meta.dim() == 3):
+            raise NotNative("bmm operands must be 3-D float32 tensors")
+    args = bmm_blas_args(TensorMeta.of(out), TensorMeta.of(b1.meta), TensorMeta.of(b2.meta))
+    if args is None:
+        raise NotNative("a bmm ATen computes without MKL's batched GEMM")
+    return lw.emit(Op.BMM, (b1.name, b2.name), out, blas=args)
+
+
+def _linear_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    if isinstance(fn, torch.nn.Linear):
+        return args[0], None, None
+    x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    return x, w, args[2] if len(args) > 2 else kwargs.get("bias")
+
+
+def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's linear: addmm for a matrix with a bias; the same on the rows of a contiguous
+    input of other ranks (_flatten_nd_linear) when the bias is a contiguous vector; else
+    matmul(input, weight.t()), then the bias added to it in place."""
+    x, w, b = _linear_parts(fn, args, kwargs)
+    if isinstance(fn, torch.nn.Linear):
+        w = lw.param(fn.weight, "weight")
+        b = None if fn.bias is None else lw.param(fn.bias, "bias")
+    if not isinstance(x, Sym) or not isinstance(w, Sym) or not x.is_tensor:
+        raise NotNative("linear on non-tensors")
+    wt = lw.view(w, torch.t)
+    if b is not None and x.meta.dim() == 2:
+        return _gemm(lw, x, wt, b, 1.0)
+    vector = isinstance(b, Sym) and b.is_tensor and b.meta.squeeze().dim() == 1 and b.meta.is_contiguous()
+    if vector and x.meta.is_contiguous():
+        return _gemm_on_rows(lw, x, wt, b, 1.0, out)
+    res = _matmul_of(lw, x, wt, out)
+    return res if b is None else lw.elementwise(Op.ADD, (res, b), out)
+
+
+def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    if kwargs.get("alpha", 1) != 1 or kwargs.get("beta", 1) not in (0, 1):
+        raise NotNative("alpha != 1 or beta not in {0, 1}")
+    return _gemm(lw, args[1], args[2], args[0], float(kwargs.get("beta", 1)))
+
+
+def _mm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    a, b = args[0], args[1]
+    if not (isinstance(a, Sym) and isinstance(b, Sym) and a.is_tensor and b.is_tensor):
+        raise NotNative("matmul of non-tensors")
+    return _gemm(lw, a, b, None, 0.0)
+
+
+def _matmul(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    a, b = args[0], args[1]
+    if not all(isinstance(t, Sym) and t.is_tensor for t in (a, b)):
+        raise NotNative("matmul of non-tensors")
+    return _matmul_of(lw, a, b, out)
+
+
+def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any) -> Sym:
+    """ATen's _matmul_impl, where it calls mm or bmm on views of its operands."""
+    da, db = a.meta.dim(), b.meta.dim()
+    if da == db == 2:
+        return _gemm(lw, a, b, None, 0.0)
+    if da == 1 and db == 2:  # a.unsqueeze(0).mm(b).squeeze_(0)
+        row = lw.view(a, lambda t: t.unsqueeze(0))
+        return lw.view(_gemm(lw, row, b, None, 0.0), lambda t: t.squeeze(0))
+    if da >= 3 and db == 2 and _folds(a.meta):
+        # should_fold: the leading dimensions merge without a copy, so ATen folds them into the
+        # rows of one mm (whether or not b requires grad), then views the result
+        return _gemm_on_rows(lw, a, b, None, 0.0, out)
+    if da == db == 3 and a.meta.shape[0] == b.meta.shape[0]:
+        # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(shape), which may
+        # give size-1 dimensions other strides (and so other BLAS arguments): take its layouts.
+        a, b = (lw.view(t, lambda e: e.expand(e.shape).reshape(e.shape)) for t in (a, b))
+        return _bmm(lw, torch.bmm, (a, b), {}, out)
+    raise NotNative("matmul ATen computes with a matrix-vector product, a copy or a broadcast batch")
+
+
+def _gemm_on_rows(lw: Lowerer, x: Sym, w: Sym, bias: Sym | None, beta: float, out: Any) -> Sym:
+    """A GEMM on x's leading dimensions merged into rows (a view: x is contiguous, or folds),
+    its result viewed with `out`'s shape: ATen's _flatten_nd_linear and matmul's fold."""
+    rows = lw.view(x, lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1]))
+    return lw.view(_gemm(lw, rows, w, bias, beta), lambda t: t.view(out.shape))
+
+
+def _folds(t: torch.Tensor) -> bool:
+    """Whether ATen's matmul folds t @ matrix (t of 3 or more dimensions) into one mm whatever
+    requires grad (should_fold): t is empty, or its leading dimensions merge without a copy."""
+    return t.numel() == 0 or all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2))

@@ -1,0 +1,89 @@
+"""Rows that move data or only its description: views (free: new metadata), conversions that
+return their input, cat and stack (copy loops), identity and dropout in eval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ir import Op
+from .core import Lowerer, NotNative, Sym, leaves, map_tree, no_out
+
+
+def _cat(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's cat of float32 tensors: a copy of each along `dim` (it skips 1-D empty tensors)."""
+    no_out(kwargs)
+    tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+        raise NotNative("cat whose result is not float32")
+    if not all(isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 for t in tensors):
+        raise NotNative("cat of tensors that are not all float32")
+    if not isinstance(dim, int):
+        raise NotNative("cat along a named dimension")
+    parts = [t.name for t in tensors if not (t.meta.dim() == 1 and t.meta.numel() == 0)]
+    if not parts:
+        raise NotNative("cat of empty tensors only")
+    return lw.emit(Op.CAT, tuple(parts), out, dim=dim % out.dim())
+
+
+def _stack(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's stack: cat of the tensors unsqueezed at `dim`."""
+    tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not all(isinstance(t, Sym) and t.is_tensor for t in tensors) or not isinstance(dim, int):
+        raise NotNative("stack of non-tensors or along a named dimension")
+    d = dim % out.dim()
+    return _cat(lw, fn, ([lw.view(t, lambda e: e.unsqueeze(d)) for t in tensors], d), kwargs, out)
+
+
+def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    return args[0]
+
+
+def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """x.to(...), .float(), .type_as(y), ...: x itself where ATen returns x unchanged (the dtype,
+    device and layout asked for are x's own: Llama's and T5's `.to(float32)` on float32), which
+    depends on layouts only; a conversion that copies runs through ATen."""
+    src = args[0]
+    if not (isinstance(src, Sym) and src.is_tensor):
+        raise NotNative("a conversion of a non-tensor")
+    example = lw.example(src)
+    rest = map_tree(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
+    if fn(example, *rest[0], **rest[1]) is not example:
+        raise NotNative("a conversion that copies")
+    return src
+
+
+def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    if isinstance(fn, torch.nn.Module):
+        lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
+        training = fn.training
+    else:
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    if training:
+        raise NotNative("dropout in training mode is random")
+    return args[0]
+
+
+def _view_op(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    src = args[0]
+    if not isinstance(src, Sym) or not isinstance(out, torch.Tensor):
+        raise NotNative("not a tensor view")
+    given = [v for v in leaves((args[1:], kwargs)) if isinstance(v, Sym)]
+    if given and getattr(fn, "__name__", None) not in _LAYOUT_OF:
+        raise NotNative("a tensor's value decides the view")  # narrow(x, d, start_tensor, n)
+    rest = map_tree(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
+    return lw.view(src, lambda t: fn(t, *rest[0], **rest[1]))
+
+
+# Views whose other tensor argument only lends its shape.
+_LAYOUT_OF = frozenset({"expand_as", "view_as", "reshape_as"})
+
+
+def _getitem(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    src, idx = args
+    items = idx if type(idx) is tuple else (idx,)  # a list index is advanced indexing: a copy
+    basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+    if isinstance(src, Sym) and src.is_tensor and basic and not any(isinstance(v, Sym) for v in leaves(items)):
+        return lw.view(src, lambda t: t[idx])
+    raise NotNative("indexing that is not a view")
