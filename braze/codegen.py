@@ -504,10 +504,9 @@ def _scalar_op(
     if op is Op.NEG:
         return b.fneg(x[0])
     if op is Op.ABS:  # clears the sign bit, as ATen's abs does
-        ty = x[0].type
-        name = f"llvm.fabs.v{ty.count}f32" if isinstance(ty, ll.VectorType) else "llvm.fabs.f32"
-        fabs = b.module.globals.get(name) or ll.Function(b.module, ll.FunctionType(ty, [ty]), name)
-        return b.call(fabs, [x[0]])
+        return _intrinsic(b, "fabs", x[0])
+    if op is Op.RSQRT:  # ATen's rsqrt: an IEEE square root, then an IEEE division (no fast-math)
+        return b.fdiv(const(1.0), _intrinsic(b, "sqrt", x[0]))
     if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0
         return b.select(b.fcmp_ordered("<", x[0], const(0.0)), const(0.0), x[0])
     if op is Op.LEAKY_RELU:
@@ -538,6 +537,14 @@ def _scalar_op(
             cond = b.icmp_unsigned("!=", cond, zero)
         return b.select(cond, x[1], x[2])
     raise NotImplementedError(op)
+
+
+def _intrinsic(b: ll.IRBuilder, name: str, x: ll.Value) -> ll.Value:
+    """LLVM's `llvm.<name>` on a float or a vector of floats (fabs, sqrt: exact IEEE operations)."""
+    ty = x.type
+    full = f"llvm.{name}.v{ty.count}f32" if isinstance(ty, ll.VectorType) else f"llvm.{name}.f32"
+    fn = b.module.globals.get(full) or ll.Function(b.module, ll.FunctionType(ty, [ty]), full)
+    return b.call(fn, [x])
 
 
 _COMPARE = {Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.EQ: "=="}

@@ -28,6 +28,7 @@ class Op(enum.Enum):
     DIV = "div"
     NEG = "neg"
     ABS = "abs"
+    RSQRT = "rsqrt"  # 1 / sqrt(x), both IEEE (ATen's rsqrt here; checked by a probe when lowering)
     RELU = "relu"
     LEAKY_RELU = "leaky_relu"  # attrs: slope
     CLAMP = "clamp"  # attrs: lo, hi (either may be None)
@@ -47,7 +48,7 @@ class Op(enum.Enum):
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
 
-UNARY = frozenset({Op.NEG, Op.ABS, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
+UNARY = frozenset({Op.NEG, Op.ABS, Op.RSQRT, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}

@@ -42,6 +42,8 @@ NATIVE = [
     ("div_scalar", lambda x: x / 7, 1),
     ("neg", operator.neg, 1),
     ("abs", torch.abs, 1),
+    ("rsqrt", torch.rsqrt, 1),
+    ("rsqrt_of_sum", lambda x: torch.rsqrt(x * x + 1e-6), 1),
     ("relu", torch.relu, 1),
     ("F.relu", F.relu, 1),
     ("leaky_relu", lambda x: F.leaky_relu(x, 0.2), 1),
@@ -228,3 +230,23 @@ def test_conversions_to_a_tensors_own_dtype_are_the_tensor_itself():
     check_model(lambda t, d: t.to(d.dtype) * 2, (x, y), externs=2)  # a copy to float64, and float64 math: ATen
     check_model(lambda t: t.to(torch.float32, copy=True) * 2, (x,), externs=1)
     check_model(lambda t: t.double() * 2, (x,), externs=2)
+
+
+def test_rsqrt_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    from braze.lowering import elementwise
+
+    x = special(7, 33).abs()
+    check_model(torch.rsqrt, (x,), kernels=1, externs=0)
+    monkeypatch.setattr(elementwise, "rsqrt_is_ieee", lambda: False)
+    compiled = check_model(lambda t: torch.rsqrt(t) * 2, (x,), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_rms_norm_written_by_hand_is_native_but_for_its_mean():
+    w = torch.randn(33)
+
+    def rms_norm(x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(variance + 1e-6))
+
+    check_model(rms_norm, (special(7, 33),), externs=1)

@@ -24,6 +24,7 @@ ACTS = {
     "hardswish": F.hardswish,
     "hardsigmoid": F.hardsigmoid,
     "threshold": lambda t: F.threshold(t, 0.1, -1.0),
+    "rsqrt": lambda t: torch.rsqrt(t * t + 0.5),
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,
 }

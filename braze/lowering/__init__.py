@@ -35,6 +35,7 @@ from .elementwise import (
     _pow_by,
     _prelu,
     _relu6,
+    _rsqrt,
     _rsub,
     _threshold,
     _unary,
@@ -97,6 +98,7 @@ def _rows() -> None:
     register(torch.rsub, "rsub", "__rsub__")(_rsub)
     register(operator.neg, torch.neg, torch.negative, "neg", "neg_", "__neg__")(_unary(Op.NEG))
     register(operator.abs, torch.abs, "abs", "abs_", "__abs__")(_unary(Op.ABS))
+    register(torch.rsqrt, "rsqrt", "rsqrt_")(_rsqrt)
     register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
     register(torch.square, "square", "square_")(_pow_by(2))
     register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))
