@@ -27,6 +27,13 @@ def lesson() -> nn.Module:
 X = torch.randn(32, 64)
 
 
+def in_a_fresh_process(*lines: str) -> None:
+    """Run `lines` in a new Python process; they must finish without an error."""
+    code = "\n".join([*lines, "print('ok')"])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
 def test_a_compiled_module_is_a_module_like_the_original():
     model = lesson()
     compiled = braze.compile(model)
@@ -83,16 +90,13 @@ def test_a_pickled_compiled_model_runs_in_a_fresh_process(tmp_path):
     model = lesson()
     compiled = braze.compile(model)
     torch.save((compiled, X, model(X).detach()), tmp_path / "compiled.pt")
-    code = (
-        "import torch, braze\n"
-        f"compiled, x, expected = torch.load({str(tmp_path / 'compiled.pt')!r}, weights_only=False)\n"
-        "with torch.no_grad():\n"
-        "    assert torch.equal(compiled(x), expected)\n"
-        "assert len(compiled.compilations) == 1\n"
-        "print('ok')\n"
+    in_a_fresh_process(
+        "import torch, braze",
+        f"compiled, x, expected = torch.load({str(tmp_path / 'compiled.pt')!r}, weights_only=False)",
+        "with torch.no_grad():",
+        "    assert torch.equal(compiled(x), expected)",
+        "assert len(compiled.compilations) == 1",
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == "ok", result.stderr
 
 
 def test_the_worker_pool_example_serves_eagers_answers():
@@ -103,21 +107,18 @@ def test_the_worker_pool_example_serves_eagers_answers():
 
 
 def test_another_torch_is_said_at_import_and_models_still_answer():
-    code = (
-        "import warnings, torch\n"
-        "torch.__version__ = '2.99.0'\n"
-        "with warnings.catch_warnings(record=True) as said:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import braze\n"
-        "assert any('tested with torch 2.13' in str(w.message) for w in said), [str(w.message) for w in said]\n"
-        "m = torch.nn.Linear(4, 2).eval()\n"
-        "x = torch.randn(3, 4)\n"
-        "with torch.no_grad():\n"
-        "    assert torch.equal(braze.compile(m)(x), m(x))\n"
-        "print('ok')\n"
+    in_a_fresh_process(
+        "import warnings, torch",
+        "torch.__version__ = '2.99.0'",
+        "with warnings.catch_warnings(record=True) as said:",
+        "    warnings.simplefilter('always')",
+        "    import braze",
+        "assert any('tested with torch 2.13' in str(w.message) for w in said), [str(w.message) for w in said]",
+        "m = torch.nn.Linear(4, 2).eval()",
+        "x = torch.randn(3, 4)",
+        "with torch.no_grad():",
+        "    assert torch.equal(braze.compile(m)(x), m(x))",
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == "ok", result.stderr
 
 
 def test_a_torch_whose_tensors_are_laid_out_otherwise_is_refused():
