@@ -107,6 +107,8 @@ class ModuleBuilder:
                 self._bmm(b, table, k)
             elif k.op is Op.CAT:
                 self._cat(b, table, k)
+            elif k.op is Op.VML:
+                self._vml(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -179,6 +181,29 @@ class ModuleBuilder:
             part = TensorMeta(shape, out.meta.stride, where, out.meta.dtype)
             self._loop_kernel(b, table, part, Access(out.slot, part), (Node(k.name, Op.COPY, (name,), part),), {})
             start += shape[dim]
+
+    def _vml(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """MKL's vector math function attrs['fn'] over the elements (ATen's exp, tanh, erf): one
+        call per thread's share of them, split as loops are. The output is dense, as ATen lays it
+        out; an input laid out otherwise is first copied into it, and the call runs in place."""
+        out, src = self.slot_of(k.name), self.slot_of(k.inputs[0])
+        if k.meta.numel == 0:
+            return
+        if src.meta.stride != out.meta.stride or not _dense(out.meta):
+            self._loop_kernel(b, table, out.meta, out, (Node(k.name, Op.COPY, (k.inputs[0],), out.meta),), {})
+            src = out
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("vml"))
+        kern.linkage = "internal"
+        kb = ll.IRBuilder(kern.append_basic_block("entry"))
+        tbl, lo, hi = kern.args
+        vml = self.declare(k.attrs["fn"], VOID, [I32, PTR, PTR, I64])
+        start = [kb.gep(_pointer(kb, tbl, a), [lo], source_etype=F32) for a in (src, out)]
+        kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
+        kb.ret_void()
+        if k.meta.numel >= self.parallel_threshold:
+            self._parallel_call(b, table, kern, k.meta.numel)
+        else:
+            b.call(kern, [table, I64(0), I64(k.meta.numel)])
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
@@ -271,6 +296,16 @@ def _pointer(b: ll.IRBuilder, table: ll.Value, acc: Access) -> ll.Value:
     """The address of an access's first element."""
     base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
     return b.gep(base, [I64(acc.meta.offset)], source_etype=F32)
+
+
+def _dense(meta: TensorMeta) -> bool:
+    """The elements fill [offset, offset + numel) of memory exactly, in some order of dimensions."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(meta.stride, meta.shape) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _opaque(b: ll.IRBuilder, ptr: ll.Value) -> ll.Value:

@@ -44,6 +44,7 @@ class Op(enum.Enum):
     GEMM = "gemm"  # out = beta * bias + a @ b through BLAS sgemm_, as ATen's addmm/mm
     BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
     CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
+    VML = "vml"  # MKL's vector math function attrs['fn'] (vmsExp...) on the input, as ATen calls it
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -53,7 +54,7 @@ BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
-KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT}) | ELEMENTWISE
+KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML}) | ELEMENTWISE
 
 # An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
 Operand = str | float | None

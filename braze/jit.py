@@ -51,6 +51,10 @@ FULL_PRECISION = (0, 1)
 # MKL's thread count for its calls from this thread (torch.set_num_threads sets it per thread), and
 # the per-thread override a one-thread GEMM sets around its sgemm_ (it returns the one it replaced).
 MKL_THREADS = "MKL_Get_Max_Threads"
+# MKL's vector math functions ATen's exp, tanh and erf call for float32 here (aten-bits.md), and
+# the mode it passes: high accuracy, denormals kept, no error handling.
+VML_FUNCTIONS = ("vmsExp", "vmsTanh", "vmsErf")
+VML_MODE = 0x2 | 0x140000 | 0x100
 MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
 
 _C_API = (
@@ -93,7 +97,7 @@ def _address(lib: Any, name: str) -> int:
 
 def _bind_symbols() -> None:
     cpu, libc = _torch_lib("libtorch_cpu.so"), ctypes.CDLL(None)
-    for name in ("sgemm_", "cblas_sgemm_batch", MKL_THREADS, MKL_SET_THREADS):
+    for name in ("sgemm_", "cblas_sgemm_batch", MKL_THREADS, MKL_SET_THREADS, *VML_FUNCTIONS):
         llvm.add_symbol(name, _address(cpu, name))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"):
@@ -200,6 +204,38 @@ def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.
     sizes = (i32(m), i32(n), i32(k))
     operands = (ptr(a), i32(lda), ptr(b), i32(ldb), f32(beta), ptr(c), i32(ldc))
     _torch_lib("libtorch_cpu.so").sgemm_(flag(ta), flag(tb), *sizes, f32(1.0), *operands)
+
+
+def vml_same(name: str) -> bool:
+    """Whether ATen's float32 `name` (exp, tanh, erf) gives here what MKL's vms<Name> gives with
+    ATen's mode, on special values, subnormals, 78 decades of magnitudes, odd lengths, strided
+    inputs, in place, on 1 and 2 threads past the 32k-element split. Once per process."""
+    return _vml_same(name)
+
+
+@functools.cache
+def _vml_same(name: str) -> bool:
+    vml = getattr(_torch_lib("libtorch_cpu.so"), f"vms{name.capitalize()}")
+    vml.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    aten = getattr(torch, name)
+    gen = torch.Generator().manual_seed(0)
+    special = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, -1e-40, 88.7, -103.9, 9.0, 3.4e38, float("inf"), -float("inf")]
+    scales = torch.logspace(-38, 38, 77, dtype=torch.float64).float().repeat_interleave(429)
+    x = torch.cat([torch.tensor(special + [float("nan")]), (torch.rand(scales.numel(), generator=gen) - 0.5) * scales])
+    want = torch.empty_like(x)
+    vml(x.numel(), x.data_ptr(), want.data_ptr(), VML_MODE)
+    inplace = x.clone()
+    vml(x.numel(), inplace.data_ptr(), inplace.data_ptr(), VML_MODE)
+    before = torch.get_num_threads()
+    try:
+        for threads in {1, max(2, before)}:
+            torch.set_num_threads(threads)
+            pairs = ((aten(x), want), (aten(x[:33]), want[:33]), (aten(x[::2]), want[::2]), (inplace, want))
+            if not all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in pairs):
+                return False
+    finally:
+        torch.set_num_threads(before)
+    return True
 
 
 def dispatch_keys(t: torch.Tensor) -> int:

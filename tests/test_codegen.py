@@ -26,10 +26,10 @@ def test_strict_mode_emits_no_fast_math_flags():
 
 
 def test_one_loop_per_fused_kernel_and_one_function_per_segment():
-    s = report(lambda x: torch.tanh((x + 1) * 2) - 3, torch.randn(100))
+    s = report(lambda x: torch.sigmoid((x + 1) * 2) - 3, torch.randn(100))
     ir = s["LLVM IR"]
     assert len(re.findall(r"define internal void @\"loop\d+\"", ir)) == 2
-    assert len(re.findall(r"define void @\"braze\d+_seg\d+\"", ir)) == 2  # the extern tanh splits them
+    assert len(re.findall(r"define void @\"braze\d+_seg\d+\"", ir)) == 2  # the extern sigmoid splits them
 
 
 def test_contiguous_loops_are_vectorised():
@@ -80,3 +80,12 @@ def test_in_place_selects_stay_plain_vector_stores():
     assert "relu" in s["IR after plan_memory"] and "store='out'" in s["IR after plan_memory"]  # in place
     assert "vmaxps" in s["assembly"]
     assert "maskmov" not in s["assembly"]
+
+
+def test_vector_math_calls_mkl_once_per_threads_share():
+    ir = report(lambda x: torch.tanh(x + 1), torch.randn(40000))["LLVM IR"]
+    assert re.search(r'call void @"?vmsTanh"?\(i32', ir) and "GOMP_parallel" in ir
+    ir = report(lambda x: torch.exp(x.t()), torch.randn(5, 7))["LLVM IR"]  # dense: one call, as it is
+    assert not re.findall(r"define internal void @\"loop\d+\"", ir) and "GOMP_parallel" not in ir
+    ir = report(lambda x: torch.exp(x[:, ::2]), torch.randn(5, 8))["LLVM IR"]  # a copy, then in place
+    assert len(re.findall(r"define internal void @\"loop\d+\"", ir)) == 1

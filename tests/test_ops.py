@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 
@@ -43,6 +44,9 @@ NATIVE = [
     ("neg", operator.neg, 1),
     ("abs", torch.abs, 1),
     ("rsqrt", torch.rsqrt, 1),
+    ("exp", torch.exp, 1),
+    ("tanh", torch.tanh, 1),
+    ("erf", torch.erf, 1),
     ("rsqrt_of_sum", lambda x: torch.rsqrt(x * x + 1e-6), 1),
     ("relu", torch.relu, 1),
     ("F.relu", F.relu, 1),
@@ -193,8 +197,8 @@ def test_extern_ops_match_eager(name, fn, shape):
 
 
 def test_extern_between_native_kernels():
-    compiled = check_model(lambda x: torch.tanh(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
-    assert compiled.programs()[0].externs[0][0].endswith("tanh")
+    compiled = check_model(lambda x: torch.sigmoid(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
+    assert compiled.programs()[0].externs[0][0].endswith("sigmoid")
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -250,3 +254,27 @@ def test_rms_norm_written_by_hand_is_native_but_for_its_mean():
         return w * (x * torch.rsqrt(variance + 1e-6))
 
     check_model(rms_norm, (special(7, 33),), externs=1)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("op", [torch.exp, torch.tanh, torch.erf], ids=["exp", "tanh", "erf"])
+def test_mkl_vector_math_across_threads_and_layouts(op, n, threads):
+    threads(n)
+    big = special(32769)
+    for x in (big, special(257, 130).t(), special(64, 66)[:, ::2], special(7, 1, 33).expand(7, 5, 33)):
+        check_model(lambda t: op(t * 0.5) + 1, (x,), externs=0)
+
+
+def test_gpt2_gelu_written_by_hand_is_all_native():
+    def gelu_new(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    check_model(gelu_new, (special(33, 65),), kernels=3, externs=0)
+
+
+def test_vector_math_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    from braze import jit
+
+    monkeypatch.setattr(jit, "vml_same", lambda name: False)
+    compiled = check_model(torch.tanh, (special(7, 33),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]

@@ -39,6 +39,7 @@ from .elementwise import (
     _rsub,
     _threshold,
     _unary,
+    _vml,
     _where,
 )
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
@@ -99,6 +100,9 @@ def _rows() -> None:
     register(operator.neg, torch.neg, torch.negative, "neg", "neg_", "__neg__")(_unary(Op.NEG))
     register(operator.abs, torch.abs, "abs", "abs_", "__abs__")(_unary(Op.ABS))
     register(torch.rsqrt, "rsqrt", "rsqrt_")(_rsqrt)
+    register(torch.exp, "exp", "exp_")(_vml("exp"))
+    register(torch.tanh, "tanh", "tanh_", nn.Tanh)(_vml("tanh"))
+    register(torch.erf, "erf", "erf_")(_vml("erf"))
     register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
     register(torch.square, "square", "square_")(_pow_by(2))
     register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import jit
 from ..ir import Op
 from .core import Lowerer, NotNative, Sym, no_out, to_meta
 
@@ -213,3 +214,22 @@ def rsqrt_is_ieee() -> bool:
     finally:
         torch.set_num_threads(before)
     return True
+
+
+def _vml(name: str) -> Callable[..., Sym]:
+    """exp, tanh, erf: MKL's vms<Name> with ATen's mode, the function ATen's float32 kernel calls
+    here (on contiguous runs, or on copies of strided ones: its results depend on no position,
+    alignment or thread count), where a probe shows ATen gives its bits."""
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        x = args[0]
+        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32):
+            raise NotNative(f"{name} of a tensor that is not float32")
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
+            raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
+        if not jit.vml_same(name):
+            raise NotNative(f"a probe found ATen's {name} does not give MKL's vms{name.capitalize()} bits here")
+        return lw.emit(Op.VML, (x.name,), out, fn=f"vms{name.capitalize()}")
+
+    return row
