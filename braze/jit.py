@@ -51,11 +51,11 @@ FULL_PRECISION = (0, 1)
 # MKL's thread count for its calls from this thread (torch.set_num_threads sets it per thread), and
 # the per-thread override a one-thread GEMM sets around its sgemm_ (it returns the one it replaced).
 MKL_THREADS = "MKL_Get_Max_Threads"
-# MKL's vector math functions ATen's exp, tanh and erf call for float32 here (aten-bits.md), and
-# the mode it passes: high accuracy, denormals kept, no error handling.
+MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
+# MKL's vector math functions ATen's exp, tanh and erf call for float32 here, and the mode it
+# passes: high accuracy, denormals kept, no error handling.
 VML_FUNCTIONS = ("vmsExp", "vmsTanh", "vmsErf")
 VML_MODE = 0x2 | 0x140000 | 0x100
-MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
 
 _C_API = (
     "PyObject_Vectorcall",
@@ -230,6 +230,28 @@ def _vml_same(name: str, threads: int) -> bool:  # threads: in the cache key
     vml(x.numel(), inplace.data_ptr(), inplace.data_ptr(), VML_MODE)
     pairs = ((aten(x), want), (aten(x[:33]), want[:33]), (aten(x[::2]), want[::2]), (inplace, want))
     return all(same_bits(a, b) for a, b in pairs)
+
+
+def rsqrt_is_ieee() -> bool:
+    """Whether ATen's float32 rsqrt is 1 / (the correctly rounded square root), as its AVX2 kernel
+    computes it here (_mm256_sqrt_ps, then a division; std::sqrt in the scalar tail), on every
+    kind of input (special values, subnormals, powers of two, 79 decades of magnitudes), in the
+    vector body and the scalar tail of its loop, past the 32k-element split between threads.
+    Once per process and thread count (torch.get_num_threads())."""
+    return _rsqrt_is_ieee(torch.get_num_threads())
+
+
+@functools.cache
+def _rsqrt_is_ieee(threads: int) -> bool:  # threads: in the cache key
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, 4.0, 2.0, 0.5, 1e-45, 1e-40, 1e-38, 3.4e38, -1.0, float("inf"), float("-inf"), float("nan")]
+    )
+    scales = torch.logspace(-40, 38, 79, dtype=torch.float64).float().repeat_interleave(421)
+    x = torch.cat([special, torch.rand(scales.numel(), generator=gen) * scales, torch.rand(17, generator=gen)])
+    want = 1 / x.double().sqrt().float()  # a float64 square root of a float32, rounded: the IEEE float32 root
+    pairs = ((torch.rsqrt(x), want), (torch.rsqrt(x[:33]), want[:33]))
+    return all(same_bits(a, b, nan_payloads=False) for a, b in pairs)  # the reference's NaNs are positive
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor, nan_payloads: bool = True) -> bool:

@@ -3,7 +3,6 @@ operations (the codegen's _scalar_op gives each op ATen's NaN and signed-zero be
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -182,32 +181,11 @@ def _hardtanh_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> 
 
 def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     """torch.rsqrt, natively where a probe shows ATen computes it as 1 / sqrt with IEEE operations
-    (its AVX2 kernel here: _mm256_sqrt_ps then a division; the scalar tail std::sqrt)."""
+    (jit.rsqrt_is_ieee)."""
     no_out(kwargs)
-    if not rsqrt_is_ieee():
+    if not jit.rsqrt_is_ieee():
         raise NotNative("a probe found ATen's rsqrt is not 1 / sqrt in IEEE arithmetic here")
     return lw.elementwise(Op.RSQRT, (args[0],), out)
-
-
-def rsqrt_is_ieee() -> bool:
-    """ATen's float32 rsqrt against 1 / (the correctly rounded square root), on every kind of
-    input (special values, subnormals, powers of two, random magnitudes), in the vector body and
-    the scalar tail of its loop, past the 32k-element split between threads: once per process
-    and thread count (torch.get_num_threads())."""
-    return _rsqrt_is_ieee(torch.get_num_threads())
-
-
-@functools.cache
-def _rsqrt_is_ieee(threads: int) -> bool:  # threads: in the cache key
-    gen = torch.Generator().manual_seed(0)
-    special = torch.tensor(
-        [0.0, -0.0, 1.0, 4.0, 2.0, 0.5, 1e-45, 1e-40, 1e-38, 3.4e38, -1.0, float("inf"), float("-inf"), float("nan")]
-    )
-    scales = torch.logspace(-40, 38, 79, dtype=torch.float64).float().repeat_interleave(421)
-    x = torch.cat([special, torch.rand(scales.numel(), generator=gen) * scales, torch.rand(17, generator=gen)])
-    want = 1 / x.double().sqrt().float()  # a float64 square root of a float32, rounded: the IEEE float32 root
-    pairs = ((torch.rsqrt(x), want), (torch.rsqrt(x[:33]), want[:33]))
-    return all(jit.same_bits(a, b, nan_payloads=False) for a, b in pairs)  # the reference's NaNs are positive
 
 
 def _vml(name: str) -> Callable[..., Sym]:
