@@ -145,6 +145,10 @@ class Lowerer:
             self.real[s.name] = flat.as_strided(m.shape, m.stride(), m.storage_offset())
         return self.real[s.name]
 
+    def examples(self, tree: Any) -> Any:
+        """`tree` with each Sym replaced by its example value."""
+        return map_tree(lambda v: self.example(v) if isinstance(v, Sym) else v, tree)
+
     def elementwise(self, op: Op, operands: tuple[Any, ...], out: Any, **attrs: Any) -> Sym:
         want = torch.bool if op in COMPARE else torch.float32
         if not isinstance(out, torch.Tensor) or out.dtype != want:
@@ -256,8 +260,7 @@ class Lowerer:
         syms = [s for s in leaves((args, kwargs)) if isinstance(s, Sym)]
         real = {s.name: self.example(s) for s in syms}
         versions = {n: t._version for n, t in real.items() if isinstance(t, torch.Tensor)}
-        swap = lambda v: real[v.name] if isinstance(v, Sym) else v  # noqa: E731
-        out_real = fn(*map_tree(swap, args), **map_tree(swap, kwargs))
+        out_real = fn(*self.examples(args), **self.examples(kwargs))
         mutated = [s for s in syms if s.name in versions and real[s.name]._version != versions[s.name]]
         return out_real, mutated, _aliased(out_real, real)
 

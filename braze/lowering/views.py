@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..ir import Op
-from .core import Lowerer, NotNative, Sym, leaves, map_tree, no_out
+from .core import Lowerer, NotNative, Sym, leaves, no_out
 
 
 def _cat(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -48,7 +48,7 @@ def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> An
     if not (isinstance(src, Sym) and src.is_tensor):
         raise NotNative("a conversion of a non-tensor")
     example = lw.example(src)
-    rest = map_tree(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
+    rest = lw.examples((args[1:], kwargs))
     if fn(example, *rest[0], **rest[1]) is not example:
         raise NotNative("a conversion that copies")
     return src
@@ -72,7 +72,7 @@ def _view_op(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     given = [v for v in leaves((args[1:], kwargs)) if isinstance(v, Sym)]
     if given and getattr(fn, "__name__", None) not in _LAYOUT_OF:
         raise NotNative("a tensor's value decides the view")  # narrow(x, d, start_tensor, n)
-    rest = map_tree(lambda v: lw.example(v) if isinstance(v, Sym) else v, (args[1:], kwargs))
+    rest = lw.examples((args[1:], kwargs))
     return lw.view(src, lambda t: fn(t, *rest[0], **rest[1]))
 
 
