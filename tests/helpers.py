@@ -24,32 +24,56 @@ def same_values(a: torch.Tensor, e: torch.Tensor) -> bool:
     return torch.equal(a, e)
 
 
-def assert_same(actual: Any, expected: Any) -> None:
+def differs(actual: Any, expected: Any, values: bool = True) -> str:
+    """Why `actual` is not eager's `expected` ('' if it is): structure, each tensor's layout kind,
+    dtype, shape, strides, requires_grad and (with `values`) values; other leaves equal."""
     a_leaves, a_spec = pytree.tree_flatten(actual)
     e_leaves, e_spec = pytree.tree_flatten(expected)
-    assert a_spec == e_spec, f"output structure {a_spec} != {e_spec}"
+    if a_spec != e_spec or type(actual) is not type(expected):
+        return f"output structure {type(actual).__name__} {a_spec} != {type(expected).__name__} {e_spec}"
     for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
         if not isinstance(e, torch.Tensor):
-            assert a == e, f"output {i}: {a!r} != {e!r}"
+            same = a == e or (isinstance(e, float) and e != e and a != a)
+            if not same and values:
+                return f"output {i}: {a!r} != {e!r}"
             continue
-        assert isinstance(a, torch.Tensor), f"output {i} is {type(a)}, not a tensor"
-        assert a.dtype == e.dtype, f"output {i}: dtype {a.dtype} != {e.dtype}"
-        assert a.shape == e.shape, f"output {i}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-        if e.numel() > 1:
-            assert a.stride() == e.stride(), f"output {i}: strides {a.stride()} != {e.stride()}"
-        assert a.requires_grad == e.requires_grad, f"output {i}: requires_grad differs"
-        assert same_values(a, e), f"output {i}: values differ (max |diff| {(a - e).abs().max()})"
+        if not isinstance(a, torch.Tensor) or a.layout != e.layout:
+            return f"output {i}: {type(a).__name__} where eager gives a {e.layout} tensor"
+        if (a.dtype, a.shape) != (e.dtype, e.shape):
+            return f"output {i}: {a.dtype}{tuple(a.shape)} != {e.dtype}{tuple(e.shape)}"
+        if e.layout == torch.strided and e.numel() > 1 and a.stride() != e.stride():
+            return f"output {i}: strides {a.stride()} != {e.stride()}"
+        if a.requires_grad != e.requires_grad:
+            return f"output {i}: requires_grad differs"
+        if values and not _same(a, e):
+            return f"output {i}: values differ (max |diff| {(a.double() - e.double()).abs().max()})"
+    return ""
+
+
+def _same(a: torch.Tensor, e: torch.Tensor) -> bool:
+    if e.layout != torch.strided:
+        a, e = a.to_dense(), e.to_dense()
+    if e.is_complex():
+        a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
+    return same_values(a, e)
+
+
+def assert_same(actual: Any, expected: Any) -> None:
+    why = differs(actual, expected)
+    assert not why, why
 
 
 def _clone(x: Any) -> Any:
-    return pytree.tree_map(lambda t: _copy(t) if isinstance(t, torch.Tensor) else t, x)
+    return pytree.tree_map(copy, x)
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` with its sizes and strides. (clone() makes a strided or broadcast tensor
-    contiguous, and ATen's GEMMs may round differently on another layout: eager must see the
-    layout braze sees.)"""
-    if t.numel() == 0:
+def copy(t: Any) -> Any:
+    """A copy of tensor `t` with its sizes and strides (anything else as it is). (clone() makes
+    a strided or broadcast tensor contiguous, and ATen's GEMMs may round differently on another
+    layout: eager must see the layout braze sees.)"""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.numel() == 0 or t.layout != torch.strided:
         return t.clone()
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.as_strided((span,), (1,)).clone().as_strided(t.shape, t.stride())

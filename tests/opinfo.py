@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 import braze
 
-from .helpers import same_values
+from .helpers import copy, differs
 from .opinfo_expected import expected
 
 PATHS = ("fx", "dynamo")
@@ -107,45 +107,6 @@ def relaid(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t
 
 
-def _copy(t: Any) -> Any:
-    """A copy with t's strides (eager and braze each get their own)."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
-        return t.clone() if isinstance(t, torch.Tensor) else t
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.as_strided((span,), (1,)).clone().as_strided(t.shape, t.stride())
-
-
-def differs(actual: Any, expected_: Any, values: bool = True) -> str:
-    """Why `actual` is not eager's `expected_` ('' if it is)."""
-    a_leaves, a_spec = pytree.tree_flatten(actual)
-    e_leaves, e_spec = pytree.tree_flatten(expected_)
-    if a_spec != e_spec or type(actual) is not type(expected_):
-        return f"structure {type(actual).__name__} {a_spec} != {type(expected_).__name__} {e_spec}"
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        if not isinstance(e, torch.Tensor):
-            same = a == e or (isinstance(e, float) and e != e and a != a)
-            if not same and values:
-                return f"output {i}: {a!r} != {e!r}"
-            continue
-        if not isinstance(a, torch.Tensor) or a.layout != e.layout:
-            return f"output {i}: {type(a).__name__} where eager gives a {e.layout} tensor"
-        if (a.dtype, a.shape) != (e.dtype, e.shape):
-            return f"output {i}: {a.dtype}{tuple(a.shape)} != {e.dtype}{tuple(e.shape)}"
-        if e.layout == torch.strided and e.numel() > 1 and a.stride() != e.stride():
-            return f"output {i}: strides {a.stride()} != {e.stride()}"
-        if values and not _same(a, e):
-            return f"output {i}: values differ"
-    return ""
-
-
-def _same(a: torch.Tensor, e: torch.Tensor) -> bool:
-    if e.layout != torch.strided:
-        a, e = a.to_dense(), e.to_dense()
-    if e.is_complex():
-        a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
-    return same_values(a, e)
-
-
 def _wrapped(got: BaseException | None, want: BaseException) -> bool:
     """TorchDynamo's own error where eager raises, raised while it traced (before braze sees a
     graph): a subclass of eager's error type, with eager's message or its fake kernel's."""
@@ -177,7 +138,7 @@ def run(case: Case) -> Outcome:
     op = ops()[case.op]
     fn, tensors = function(op, samples(case.op, SAMPLES)[case.sample])
     tensors = [relaid(t, case.layout) for t in tensors]
-    eager_in, braze_in = [_copy(t) for t in tensors], [_copy(t) for t in tensors]
+    eager_in, braze_in = [copy(t) for t in tensors], [copy(t) for t in tensors]
     with _threads(case.threads):
         want, want_error = _call(fn, eager_in)
         if case.path == "dynamo":
