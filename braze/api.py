@@ -21,14 +21,17 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import capture, config, debug, entry, jit
+from .dims import Undecided
+from .ir import contiguous_strides
 from .lowering import Unsupported, lower
+from .lowering.generic import Family, NotGeneric, Place, lower_generic, varying
 from .passes import run_passes
 from .runtime import Guard, Program
 
@@ -160,12 +163,24 @@ class _Failed:
         self.why = why
 
 
-def build_program(captured: capture.Captured, args: tuple[Any, ...], epoch: Any = None) -> Program:
+def build_program(
+    captured: capture.Captured,
+    args: tuple[Any, ...],
+    epoch: Any = None,
+    places: Sequence[Sequence[Place]] = (),
+    seen: Sequence[Sequence[int]] = (),
+) -> Program:
     """Run the pipeline after capture for one argument signature (`epoch`: the wrapper's, which
-    the program's guard checks)."""
+    the program's guard checks); with `places` (each symbol's argument dimensions, whose values
+    so far are `seen`), one program for every size of them (raises NotGeneric or Undecided
+    where that cannot be)."""
     epoch = Epoch() if epoch is None else epoch
     t0 = time.perf_counter()
-    lowered = lower(captured, args)
+    family = None
+    if places:
+        lowered, family = lower_generic(captured, args, places, seen)
+    else:
+        lowered = lower(captured, args)
     t1 = time.perf_counter()
     graph, log = run_passes(lowered.graph)
     timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
@@ -175,7 +190,7 @@ def build_program(captured: capture.Captured, args: tuple[Any, ...], epoch: Any 
     # Every parameter, also those only an ATen call reads (an nn.Module run unchanged): in grad
     # mode, one that requires grad means autograd, which needs eager (as on the slow path).
     params = tuple(captured.root.parameters())
-    prog = Program(lowered, graph, timings, Guard(args, tuple(flags.values()), params, epoch, epoch[0]))
+    prog = Program(lowered, graph, timings, Guard(args, tuple(flags.values()), params, epoch, epoch[0]), family)
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
@@ -222,6 +237,47 @@ def _topic(why: str) -> str:
     return f"{head}'s {tail.split()[0]}" if head.startswith("argument") and tail else head
 
 
+def _contiguous(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_contiguous()
+
+
+def _size_change(old: tuple | None, new: tuple, n_args: int) -> set[Place]:
+    """The argument dimensions whose sizes differ between two signatures that differ in
+    nothing else, their tensors contiguous in both; empty if they differ otherwise."""
+    if old is None or len(old) != len(new) or old[n_args:] != new[n_args:]:
+        return set()
+    changed: set[Place] = set()
+    for i, (a, b) in enumerate(zip(old[:n_args], new[:n_args])):
+        if a == b:
+            continue
+        if len(a) != 5 or len(b) != 5 or a[2:] != b[2:] or len(a[0]) != len(b[0]):
+            return set()
+        if a[1] != contiguous_strides(tuple(a[0])) or b[1] != contiguous_strides(tuple(b[0])):
+            return set()
+        changed |= {(i, d) for d in range(len(a[0])) if a[0][d] != b[0][d]}
+    return changed
+
+
+def _family_key(key: tuple, family: Family) -> tuple:
+    """A signature with the family's dimensions (and its tensors' strides, contiguous) left out."""
+    out = list(key)
+    for i in {i for places in family.places for i, _ in places}:
+        shape, _, *rest = key[i]
+        free = {d for places in family.places for j, d in places if j == i}
+        out[i] = (tuple(-1 if d in free else n for d, n in enumerate(shape)), None, *rest)
+    return tuple(out)
+
+
+def _generic_note(prog: Program) -> str:
+    if prog.family is None:
+        return ""
+    parts = []
+    for j, (places, lo) in enumerate(zip(prog.family.places, prog.family.lo)):
+        where = ", ".join(f"argument {i} dim {d}" for i, d in places)
+        parts.append(f"s{j} = {where} (>= {lo})")
+    return "; generic in " + "; ".join(parts)
+
+
 def _signature(args: tuple[Any, ...]) -> tuple:
     sig = []
     for a in args:
@@ -245,11 +301,16 @@ class CompiledFunction:
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         return super().__new__(own)
 
-    def __init__(self, fn: Callable[..., Any], mode: str = "exact", cache_size: int | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], mode: str = "exact", cache_size: int | None = None, dynamic: bool | None = None
+    ) -> None:
         if mode != "exact":
             raise ValueError(f"braze: unknown mode {mode!r} (only 'exact' is available)")
         self.fn = fn
         self.mode = mode
+        self.dynamic = dynamic  # see braze.compile
+        self._generic: list[Program] = []  # shape-generic programs, newest last
+        self._not_generic: set[tuple] = set()  # family keys (see _family_key) that did not fit
         self.cache_size = config.cache_size if cache_size is None else cache_size
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._captured: capture.Captured | None = None
@@ -338,6 +399,8 @@ class CompiledFunction:
             self._why = "an ATen call inside returned another layout than when compiled"
             prog = None
         if prog is None:
+            prog = self._covering(key, args)
+        if prog is None:
             prog = self._compile(key, args)
         if prog is _EAGER:
             return self.fn(*args)
@@ -358,6 +421,42 @@ class CompiledFunction:
         out = prog.body(*args)
         self._install(prog)
         return out
+
+    # --- shape-generic programs ----------------------------------------------------------------
+    def _covering(self, key: tuple, args: tuple) -> Program | None:
+        """A generic program whose family holds this call's signature."""
+        for prog in reversed(self._generic):
+            if prog.family.values(args) is not None and _family_key(key, prog.family) == prog.family_key:
+                return prog
+        return None
+
+    def _keep_generic(self, prog: Program, key: tuple) -> None:
+        """Keep a generic program (it replaces one of the same family), at most cache_size."""
+        prog.family_key = _family_key(key, prog.family)
+        kept = [p for p in self._generic if p.family_key != prog.family_key]
+        self._generic = kept[len(kept) + 1 - self.cache_size :] + [prog]
+
+    def _places(self, key: tuple, args: tuple) -> tuple[list[list[Place]], list[tuple[int, ...]]]:
+        """The argument dimensions to compile a generic program for, one list per symbol, and
+        the symbols' values in the calls so far; none to compile for this call's sizes alone.
+
+        dynamic=None (the default) goes generic on the dimensions whose size changed from the
+        signature compiled last, when nothing else did (as torch.compile's automatic dynamic
+        shapes do); dynamic=True on every dimension of the first call's contiguous tensors that
+        may change (not those a weight fixes)."""
+        if self.dynamic is False:
+            return [], []
+        if self.dynamic:
+            candidates = [(i, d) for i, a in enumerate(args) if _contiguous(a) for d in range(a.dim())]
+            old, changed = key, set(varying(self._captured, args, candidates))
+        else:
+            old, changed = self._last_key, _size_change(self._last_key, key, len(args))
+        symbols: dict[tuple[int, int], list[Place]] = {}
+        for i, d in sorted(changed):
+            symbols.setdefault((old[i][0][d], args[i].shape[d]), []).append((i, d))
+        if _family_key(key, Family(tuple(map(tuple, symbols.values())), ())) in self._not_generic:
+            return [], []
+        return list(symbols.values()), [tuple(v[0] for v in symbols), tuple(v[1] for v in symbols)]
 
     # --- helpers -----------------------------------------------------------------------------
     def _bind(self, args: tuple, kwargs: dict) -> tuple | None:
@@ -401,6 +500,8 @@ class CompiledFunction:
 
     def _reset(self) -> None:
         self._cache.clear()
+        self._generic.clear()
+        self._not_generic.clear()
         self._install(None)
         self._captured = None
         self._epoch = self.epoch[0]
@@ -429,23 +530,26 @@ class CompiledFunction:
         with self._lock, _no_gc():
             if key in self._cache:
                 return self._cache[key]
-            entry = self._build(args)
+            entry = self._build(key, args)
             if entry is None:
                 return self._dynamo or _EAGER
             if isinstance(entry, _Failed):
                 return entry
             if isinstance(entry, Program):
                 entry.bind(self._on_miss)
-                self.compilations.append(Compilation(self._why or _difference(self._last_key, key), entry.total_ms))
+                why = (self._why or _difference(self._last_key, key)) + entry.shapes_note
+                self.compilations.append(Compilation(why, entry.total_ms))
                 self._why, self._last_key = "", key
                 self._compiled_at.append(self._slow_calls)
                 self._storm()
+                if entry.family is not None:
+                    self._keep_generic(entry, key)
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             return entry
 
-    def _build(self, args: tuple) -> Any:
+    def _build(self, key: tuple, args: tuple) -> Any:
         t0 = time.perf_counter()
         if self._captured is None or self._captured_state != self._trace_state():
             try:
@@ -454,8 +558,21 @@ class CompiledFunction:
                 self._dynamo = _dynamo_fallback(self, str(e))
                 return None
         capture_ms = (time.perf_counter() - t0) * 1e3
+        places, seen = self._places(key, args)
+        note = ""
         try:
-            prog = build_program(self._captured, args, self.epoch)
+            prog = None
+            if places:
+                try:
+                    prog = build_program(self._captured, args, self.epoch, places, seen)
+                except (NotGeneric, Undecided) as e:
+                    note = f"; compiled for these sizes only: {e}"
+                    self._not_generic.add(_family_key(key, Family(tuple(map(tuple, places)), ())))
+                if prog is not None and prog.point is None:  # the family leaves out this call's sizes
+                    note = "; compiled for these sizes only: they are below the generic program's"
+                    prog = None
+            if prog is None:
+                prog = build_program(self._captured, args, self.epoch)
         except Unsupported as e:
             self._say(str(e))
             return _EAGER
@@ -463,6 +580,7 @@ class CompiledFunction:
             if config.debug >= 2:
                 raise
             return _Failed(f"compilation failed ({type(e).__name__}: {e})")
+        prog.shapes_note = note or _generic_note(prog)
         prog.timings.insert(0, ("capture", capture_ms))
         prog.total_ms = (time.perf_counter() - t0) * 1e3
         debug.report_compile(prog, self.fn)
@@ -482,12 +600,13 @@ class CompiledFunction:
     def programs(self) -> list[Program]:
         """The compiled specialisations this wrapper holds, oldest first."""
         own = [p for p in self._cache.values() if isinstance(p, Program)]
+        own += [p for p in self._generic if all(p is not q for q in own)]
         return own + [p for sub in self._subgraphs for p in sub.programs()]
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         """Pickled (and deep-copied): the model or function and braze's options; programs are
         compiled again, on the first call after loading."""
-        return _compiled_again, (self.fn, self.mode, self.cache_size)
+        return _compiled_again, (self.fn, self.mode, self.cache_size, self.dynamic)
 
 
 class CompiledModule(CompiledFunction, torch.nn.Module):
@@ -496,11 +615,13 @@ class CompiledModule(CompiledFunction, torch.nn.Module):
     and `parameters()` reach it; `state_dict()` and `load_state_dict()` are the model's own (the
     same keys), and any other attribute is read from the model."""
 
-    def __init__(self, fn: torch.nn.Module, mode: str = "exact", cache_size: int | None = None) -> None:
+    def __init__(
+        self, fn: torch.nn.Module, mode: str = "exact", cache_size: int | None = None, dynamic: bool | None = None
+    ) -> None:
         torch.nn.Module.__init__(self)
         self._orig_mod = fn
         self.training = fn.training
-        CompiledFunction.__init__(self, fn, mode, cache_size)
+        CompiledFunction.__init__(self, fn, mode, cache_size, dynamic)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Only the model is a submodule: braze's own attributes (the model as `fn`, TorchDynamo's
@@ -560,17 +681,27 @@ def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] 
     return call
 
 
-def compile(fn: Callable[..., Any] | None = None, *, mode: str = "exact", cache_size: int | None = None) -> Any:
+def compile(
+    fn: Callable[..., Any] | None = None,
+    *,
+    mode: str = "exact",
+    cache_size: int | None = None,
+    dynamic: bool | None = None,
+) -> Any:
     """Wrap `fn` (an nn.Module or a function of tensors); nothing is compiled until its first call.
 
     Works as `braze.compile(model)`, `@braze.compile` and `@braze.compile(mode=...)`.
+    `dynamic`, as torch.compile's: None (default) compiles for the first call's sizes, then, when
+    a call differs from the last compiled only in sizes, one program for every size of the
+    dimensions that changed; True makes every dimension generic from the first call; False
+    compiles a program per signature.
     """
     if fn is None:
-        return lambda f: compile(f, mode=mode, cache_size=cache_size)
+        return lambda f: compile(f, mode=mode, cache_size=cache_size, dynamic=dynamic)
     kind = CompiledModule if isinstance(fn, torch.nn.Module) else CompiledFunction
-    return kind(fn, mode=mode, cache_size=cache_size)
+    return kind(fn, mode=mode, cache_size=cache_size, dynamic=dynamic)
 
 
-def _compiled_again(fn: Callable[..., Any], mode: str, cache_size: int) -> Any:
+def _compiled_again(fn: Callable[..., Any], mode: str, cache_size: int, dynamic: bool | None = None) -> Any:
     """A wrapper unpickled: compiled afresh, lazily."""
-    return compile(fn, mode=mode, cache_size=cache_size)
+    return compile(fn, mode=mode, cache_size=cache_size, dynamic=dynamic)

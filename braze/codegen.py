@@ -3,8 +3,10 @@
 Each run of consecutive native kernels (FUSED loops, GEMMs with their bias prologue and fused
 epilogue) is one function `void segN(ptr table)`; `table` holds the base address of every
 buffer the segment touches, filled by the runtime. Shapes and strides are constants, so LLVM
-sees fixed trip counts and vectorises the innermost loop. No fast-math flags: every float op is
-the IEEE op ATen performs, in the same order, so results are bit-identical to eager.
+sees fixed trip counts and vectorises the innermost loop; in a shape-generic program some are
+polynomials of the symbols (dims.Expr), whose values the table holds too, and the code computes
+them once per kernel. No fast-math flags: every float op is the IEEE op ATen performs, in the
+same order, so results are bit-identical to eager.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 import llvmlite.ir as ll
 import torch
 
-from . import jit
+from . import dims, jit
+from .dims import Dim, Expr
 from .ir import COMPARE, Node, Op, TensorMeta
 
 F32, I64, I32, I8, I1 = ll.FloatType(), ll.IntType(64), ll.IntType(32), ll.IntType(8), ll.IntType(1)
@@ -41,9 +44,15 @@ class ModuleBuilder:
     """One LLVM module; `prefix` starts every global name in it (programs share one JIT)."""
 
     def __init__(
-        self, prefix: str, slot_of: Callable[[str], Access], parallel_threshold: int, blas_clock: bool = False
+        self,
+        prefix: str,
+        slot_of: Callable[[str], Access],
+        parallel_threshold: int,
+        blas_clock: bool = False,
+        symbol_slots: tuple[int, ...] = (),
     ) -> None:
         self.module = ll.Module(name=prefix)
+        self.symbol_slots = symbol_slots  # the table slot holding each symbol's value
         self.prefix = prefix
         self.slot_of = slot_of
         self.parallel_threshold = parallel_threshold
@@ -70,20 +79,35 @@ class ModuleBuilder:
         return b.call(self.declare("llvm.readcyclecounter", I64, []), [])
 
     def _blas(
-        self, b: ll.IRBuilder, name: str, types: list[ll.Type], args: list[ll.Value], one_thread: bool = False
+        self,
+        b: ll.IRBuilder,
+        name: str,
+        types: list[ll.Type],
+        args: list[ll.Value],
+        one_thread: bool | ll.Value = False,
     ) -> None:
         """Call BLAS routine `name`, on one thread if asked (this thread's MKL setting is set
-        around the call and restored); with the clock on, add the cycles the call itself took
-        to the counter."""
-        threads = self.declare(jit.MKL_SET_THREADS, I32, [I32]) if one_thread else None
-        before = b.call(threads, [I32(1)]) if threads is not None else None
+        around the call and restored; a value: asked per call); with the clock on, add the
+        cycles the call itself took to the counter."""
+        threads = self.declare(jit.MKL_SET_THREADS, I32, [I32]) if one_thread is not False else None
+        before: ll.Value | None = None
+        if one_thread is True:
+            before = b.call(threads, [I32(1)])
+        elif threads is not None:
+            with b.goto_entry_block():
+                saved = b.alloca(I32)
+            with b.if_then(one_thread):
+                b.store(b.call(threads, [I32(1)]), saved)
         start = self._cycles(b) if self.clock is not None else None
         b.call(self.declare(name, VOID, types), args)
         if self.clock is not None:
             took = b.sub(self._cycles(b), start)
             b.store(b.add(b.load(self.clock, typ=I64), took), self.clock)
-        if threads is not None:
+        if before is not None:
             b.call(threads, [before])
+        elif threads is not None:
+            with b.if_then(one_thread):
+                b.call(threads, [b.load(saved, typ=I32)])
 
     def cstring(self, name: str, text: str) -> ll.GlobalVariable:
         """A NUL-terminated string constant (emitted once per name)."""
@@ -94,6 +118,39 @@ class ModuleBuilder:
         g.initializer = ll.Constant(ll.ArrayType(I8, len(data)), data)
         g.global_constant = True
         return g
+
+    def dim(self, b: ll.IRBuilder, table: ll.Value, x: Dim) -> ll.Value:
+        """The value of a size, stride or offset (an Expr: computed from the symbols in the table)."""
+        if isinstance(x, int):
+            return I64(x)
+        syms = {j: b.load(b.gep(table, [I64(self.symbol_slots[j])], source_etype=PTR), typ=I64) for j in x.symbols()}
+        total: ll.Value | None = None
+        for m, c in x.terms:
+            factors = [syms[j] for j, e in enumerate(m) for _ in range(e)]
+            term = factors[0] if c == 1 else I64(c)
+            for f in factors[1:] if c == 1 else factors:
+                term = b.mul(term, f)
+            total = term if total is None else b.add(total, term)
+        assert total is not None
+        return total
+
+    def _i32(self, b: ll.IRBuilder, table: ll.Value, x: Dim) -> ll.Value:
+        return I32(x) if isinstance(x, int) else b.trunc(self.dim(b, table, x), I32)
+
+    def pointer(self, b: ll.IRBuilder, table: ll.Value, acc: Access) -> ll.Value:
+        """The address of an access's first element."""
+        base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
+        return b.gep(base, [self.dim(b, table, acc.meta.offset)], source_etype=F32)
+
+    def emit_dims(self, derived: list[tuple[Expr, int]]) -> str:
+        """`{prefix}_dims(table)`: each derived value's expression into its slot of the table
+        (the entry calls it once the symbols are bound)."""
+        fn = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), f"{self.prefix}_dims")
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
+        for expr, slot in derived:
+            b.store(self.dim(b, fn.args[0], expr), b.gep(fn.args[0], [I64(slot)], source_etype=PTR))
+        b.ret_void()
+        return fn.name
 
     # --- segments ----------------------------------------------------------------------------
     def segment(self, seg: Segment) -> ll.Function:
@@ -130,47 +187,72 @@ class ModuleBuilder:
         inner = {n.name for n in body}
         names = dict.fromkeys(i for n in body for i in n.value_inputs() if i not in inner)
         operands = {i: override.get(i) or self.slot_of(i) for i in names}
-        dims = _loop_dims(shape_meta.shape, [out.meta] + [a.meta for a in operands.values()], out.meta)
+        loops = _loop_dims(shape_meta.shape, [out.meta] + [a.meta for a in operands.values()], out.meta)
         kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("loop"))
         kern.linkage = "internal"
         kb = ll.IRBuilder(kern.append_basic_block("entry"))
         tbl, lo, hi = kern.args
+        value = lambda x: x if isinstance(x, int) else self.dim(kb, tbl, x)  # noqa: E731
         bases = {k: kb.load(kb.gep(tbl, [I64(a.slot)], source_etype=PTR), typ=PTR) for k, a in operands.items()}
         out_base = kb.load(kb.gep(tbl, [I64(out.slot)], source_etype=PTR), typ=PTR)
         if any(a.slot == out.slot for a in operands.values()):
             out_base = _opaque(kb, out_base)
-        accesses = {k: (bases[k], _bstrides(a.meta, shape_meta.shape), a.meta.offset) for k, a in operands.items()}
-        accesses["__out__"] = (out_base, out.meta.stride, out.meta.offset)
+        accesses = {
+            k: (bases[k], tuple(map(value, _bstrides(a.meta, shape_meta.shape))), value(a.meta.offset))
+            for k, a in operands.items()
+        }
+        accesses["__out__"] = (out_base, tuple(map(value, out.meta.stride)), value(out.meta.offset))
+        sizes = [value(d.size) for d in loops]
 
         # Vectorise the innermost loop ourselves when every access walks it contiguously or
         # not at all (broadcast): LLVM then needs no loop optimiser, which is most of its time.
-        innermost = dims[-1].axis if dims else None
+        innermost = loops[-1].axis if loops else None
         vector = innermost is not None and all(acc[1][innermost] in (0, 1) for acc in accesses.values())
-        vector = vector and dims[-1].size >= WIDTH
-        emitter = _BodyEmitter(body, accesses, dims, operands, out.meta.dtype == torch.bool)
-        _nest(kb, dims, lo, hi, emitter.emit, WIDTH if vector else 1)
+        vector = vector and (not isinstance(sizes[-1], int) or sizes[-1] >= WIDTH)
+        emitter = _BodyEmitter(body, accesses, loops, operands, out.meta.dtype == torch.bool)
+        _nest(kb, sizes, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
-        total = dims[0].size if dims else 1
-        if shape_meta.numel >= self.parallel_threshold and total > 1:
-            self._parallel_call(b, table, kern, total)
-        else:
-            b.call(kern, [table, I64(0), I64(total)])
+        self._split(b, table, kern, shape_meta.numel, loops[0].size if loops else 1)
 
-    def _parallel_call(self, b: ll.IRBuilder, table: ll.Value, kern: ll.Function, total: int) -> None:
+    def _split(self, b: ll.IRBuilder, table: ll.Value, kern: ll.Function, numel: Dim, total: Dim) -> None:
+        """Run kern(table, lo, hi) over [0, total): on ATen's threads from `numel` elements up,
+        where eager's loops split (in a generic program, decided per call)."""
+        if isinstance(numel, int) and isinstance(total, int):
+            if numel >= self.parallel_threshold and total > 1:
+                self._parallel_call(b, table, kern, I64(total))
+            else:
+                b.call(kern, [table, I64(0), I64(total)])
+            return
+        count, n = self.dim(b, table, numel), self.dim(b, table, total)
+        wide = b.and_(b.icmp_signed(">=", count, I64(self.parallel_threshold)), b.icmp_signed(">", n, I64(1)))
+        with b.if_else(wide) as (parallel, serial):
+            with parallel:
+                self._parallel_call(b, table, kern, n)
+            with serial:
+                b.call(kern, [table, I64(0), n])
+
+    def _parallel_call(self, b: ll.IRBuilder, table: ll.Value, kern: ll.Function, total: ll.Value) -> None:
         """Split the outer loop across the OpenMP team ATen uses (torch.get_num_threads())."""
-        wrap = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), kern.name + "_omp")
+        wrap = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), self.unique(kern.name + "_omp"))
         wrap.linkage = "internal"
         wb = ll.IRBuilder(wrap.append_basic_block("entry"))
         tid = wb.sext(wb.call(self.declare("omp_get_thread_num", I32, []), []), I64)
         nth = wb.sext(wb.call(self.declare("omp_get_num_threads", I32, []), []), I64)
-        chunk = wb.sdiv(wb.add(I64(total), wb.sub(nth, I64(1))), nth)
+        # The team's argument: the table and the trip count (a constant, or computed per call).
+        tbl = wb.load(wb.gep(wrap.args[0], [I64(0)], source_etype=PTR), typ=PTR)
+        count = wb.load(wb.gep(wrap.args[0], [I64(1)], source_etype=PTR), typ=I64)
+        chunk = wb.sdiv(wb.add(count, wb.sub(nth, I64(1))), nth)
         lo = wb.mul(tid, chunk)
-        hi = wb.select(wb.icmp_signed("<", wb.add(lo, chunk), I64(total)), wb.add(lo, chunk), I64(total))
+        hi = wb.select(wb.icmp_signed("<", wb.add(lo, chunk), count), wb.add(lo, chunk), count)
         with wb.if_then(wb.icmp_signed("<", lo, hi)):
-            wb.call(kern, [wrap.args[0], lo, hi])
+            wb.call(kern, [tbl, lo, hi])
         wb.ret_void()
+        with b.goto_entry_block():
+            team = b.alloca(PTR, size=I64(2))
+        b.store(table, team)
+        b.store(total, b.gep(team, [I64(1)], source_etype=PTR))
         gomp = self.declare("GOMP_parallel", VOID, [PTR, PTR, I32, I32])
-        b.call(gomp, [wrap, table, I32(0), I32(0)])
+        b.call(gomp, [wrap, team, I32(0), I32(0)])
 
     def _cat(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """One copy loop per input, into its slice of the output (ATen's cat: bits unchanged)."""
@@ -197,13 +279,10 @@ class ModuleBuilder:
         kb = ll.IRBuilder(kern.append_basic_block("entry"))
         tbl, lo, hi = kern.args
         vml = self.declare(k.attrs["fn"], VOID, [I32, PTR, PTR, I64])
-        start = [kb.gep(_pointer(kb, tbl, a), [lo], source_etype=F32) for a in (src, out)]
+        start = [kb.gep(self.pointer(kb, tbl, a), [lo], source_etype=F32) for a in (src, out)]
         kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
         kb.ret_void()
-        if k.meta.numel >= self.parallel_threshold:
-            self._parallel_call(b, table, kern, k.meta.numel)
-        else:
-            b.call(kern, [table, I64(0), I64(k.meta.numel)])
+        self._split(b, table, kern, k.meta.numel, k.meta.numel)
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
@@ -218,13 +297,28 @@ class ModuleBuilder:
             self._loop_kernel(b, table, acc_meta, c, (copy,), {})
         blas = k.attrs["blas"]
         if blas["k"] > 0:
-            one = k.attrs.get("one_thread", False)
+            one = self._one_thread(b, table, k)
             self._sgemm_call(b, table, blas, self.slot_of(m1), self.slot_of(m2), c, k.attrs["beta"], one)
         elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
             zero = Node(acc_name, Op.MUL, (0.0, 0.0), acc_meta)
             self._loop_kernel(b, table, acc_meta, c, (zero,), {})
         if k.body:
             self._loop_kernel(b, table, k.meta, c, k.body, {acc_name: c})
+
+    def _one_thread(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> bool | ll.Value:
+        """Whether the GEMM runs on one thread: decided when compiling, or, in a generic program,
+        per call from the sizes probed (lowering.gemm.one_thread_sizes)."""
+        sizes = k.attrs.get("one_thread_sizes")
+        if sizes is None:
+            return k.attrs.get("one_thread", False)
+        j, first, same = sizes
+        bits = ll.GlobalVariable(self.module, ll.ArrayType(I8, len(same)), self.unique(f"{self.prefix}_one_thread"))
+        bits.initializer = ll.Constant(ll.ArrayType(I8, len(same)), bytearray(same))
+        bits.global_constant = True
+        at = b.sub(b.load(b.gep(table, [I64(self.symbol_slots[j])], source_etype=PTR), typ=I64), I64(first))
+        inside = b.icmp_unsigned("<", at, I64(len(same)))
+        bit = b.load(b.gep(bits, [b.select(inside, at, I64(0))], source_etype=I8), typ=I8)
+        return b.and_(inside, b.icmp_unsigned("!=", bit, I8(0)))
 
     def _sgemm_call(
         self,
@@ -235,22 +329,22 @@ class ModuleBuilder:
         m2: Access,
         c: Access,
         beta: float,
-        one_thread: bool,
+        one_thread: bool | ll.Value,
     ) -> None:
         a, bm = (m2, m1) if blas["swap"] else (m1, m2)
         t = lambda flag: I8(ord("T" if flag else "N"))  # noqa: E731
         args = [
             _ref(b, I8, t(blas["ta"])),
             _ref(b, I8, t(blas["tb"])),
-            *(_ref(b, I32, I32(blas[d])) for d in "mnk"),
+            *(_ref(b, I32, self._i32(b, table, blas[d])) for d in "mnk"),
             _ref(b, F32, F32(1.0)),
-            _pointer(b, table, a),
-            _ref(b, I32, I32(blas["lda"])),
-            _pointer(b, table, bm),
-            _ref(b, I32, I32(blas["ldb"])),
+            self.pointer(b, table, a),
+            _ref(b, I32, self._i32(b, table, blas["lda"])),
+            self.pointer(b, table, bm),
+            _ref(b, I32, self._i32(b, table, blas["ldb"])),
             _ref(b, F32, F32(beta)),
-            _pointer(b, table, c),
-            _ref(b, I32, I32(blas["ldc"])),
+            self.pointer(b, table, c),
+            _ref(b, I32, self._i32(b, table, blas["ldc"])),
         ]
         self._blas(b, "sgemm_", [PTR] * 13, args, one_thread)
 
@@ -262,29 +356,34 @@ class ModuleBuilder:
         batch, c = blas["batch"], self.slot_of(k.name)
         strides = {"a": blas["stride_a"], "b": blas["stride_b"], "c": c.meta.stride[0]}
         arrays = {}
+        count = self.dim(b, table, batch)
         for name, acc in (("a", self.slot_of(k.inputs[1])), ("b", self.slot_of(k.inputs[0])), ("c", c)):
-            with b.goto_entry_block():
-                arrays[name] = b.alloca(PTR, size=I64(batch))
-            first = _pointer(b, table, acc)
-            with counted_loop(b, I64(0), I64(batch)) as i:
-                matrix = b.gep(first, [b.mul(i, I64(strides[name]))], source_etype=F32)
+            if isinstance(batch, int):
+                with b.goto_entry_block():
+                    arrays[name] = b.alloca(PTR, size=I64(batch))
+            else:  # run once per call: a segment holds no loop around its kernels
+                arrays[name] = b.alloca(PTR, size=count)
+            first = self.pointer(b, table, acc)
+            stride = self.dim(b, table, strides[name])
+            with counted_loop(b, I64(0), count) as i:
+                matrix = b.gep(first, [b.mul(i, stride)], source_etype=F32)
                 b.store(matrix, b.gep(arrays[name], [i], source_etype=PTR))
         trans = lambda flag: I32(CBLAS_TRANS if flag else CBLAS_NO_TRANS)  # noqa: E731
         args = [
             I32(CBLAS_COL_MAJOR),
             _ref(b, I32, trans(blas["ta"])),
             _ref(b, I32, trans(blas["tb"])),
-            *(_ref(b, I32, I32(blas[d])) for d in "mnk"),
+            *(_ref(b, I32, self._i32(b, table, blas[d])) for d in "mnk"),
             _ref(b, F32, F32(1.0)),
             arrays["a"],
-            _ref(b, I32, I32(blas["lda"])),
+            _ref(b, I32, self._i32(b, table, blas["lda"])),
             arrays["b"],
-            _ref(b, I32, I32(blas["ldb"])),
+            _ref(b, I32, self._i32(b, table, blas["ldb"])),
             _ref(b, F32, F32(0.0)),
             arrays["c"],
-            _ref(b, I32, I32(blas["ldc"])),
+            _ref(b, I32, self._i32(b, table, blas["ldc"])),
             I32(1),  # one group of `batch` matrices
-            _ref(b, I32, I32(batch)),
+            _ref(b, I32, b.trunc(count, I32)),
         ]
         self._blas(b, "cblas_sgemm_batch", [I32] + [PTR] * 13 + [I32, PTR], args)
 
@@ -292,16 +391,11 @@ class ModuleBuilder:
 CBLAS_COL_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 102, 111, 112
 
 
-def _pointer(b: ll.IRBuilder, table: ll.Value, acc: Access) -> ll.Value:
-    """The address of an access's first element."""
-    base = b.load(b.gep(table, [I64(acc.slot)], source_etype=PTR), typ=PTR)
-    return b.gep(base, [I64(acc.meta.offset)], source_etype=F32)
-
-
 def _dense(meta: TensorMeta) -> bool:
     """The elements fill [offset, offset + numel) of memory exactly, in some order of dimensions."""
     expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(meta.stride, meta.shape) if sz > 1):
+    pairs = [(st, sz) for st, sz in zip(meta.stride, meta.shape) if not isinstance(sz, int) or sz > 1]
+    for stride, size in sorted(pairs, key=lambda p: dims.typical(p[0])):
         if stride != expected:
             return False
         expected *= size
@@ -343,49 +437,50 @@ def _bstrides(meta: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _Dim:
-    size: int
+    size: Dim
     axis: int  # innermost original axis folded into this loop; its strides step the index
 
 
-def _loop_dims(shape: tuple[int, ...], metas: list[TensorMeta], out: TensorMeta) -> list[_Dim]:
+def _loop_dims(shape: tuple[Dim, ...], metas: list[TensorMeta], out: TensorMeta) -> list[_Dim]:
     """Loop order (outer to inner) following the output's strides; merge dims every access
     walks contiguously, so a dense tensor is one flat loop."""
     strides = [_bstrides(m, shape) for m in metas]
-    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -out.stride[d])
-    dims: list[_Dim] = []
+    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -dims.typical(out.stride[d]))
+    loops: list[_Dim] = []
     for d in order:
-        if dims and all(s[dims[-1].axis] == s[d] * shape[d] for s in strides):
-            dims[-1] = _Dim(dims[-1].size * shape[d], d)  # every access walks both as one run
+        if loops and all(s[loops[-1].axis] == s[d] * shape[d] for s in strides):
+            loops[-1] = _Dim(loops[-1].size * shape[d], d)  # every access walks both as one run
             continue
-        dims.append(_Dim(shape[d], d))
-    return dims
+        loops.append(_Dim(shape[d], d))
+    return loops
 
 
 def _nest(
     b: ll.IRBuilder,
-    dims: list[_Dim],
+    sizes: list[int | ll.Value],
     lo: ll.Value,
     hi: ll.Value,
     inner: Callable[..., None],
     width: int,
 ) -> None:
-    """Loop nest over `dims`; the outermost runs [lo, hi). With width > 1 the innermost loop
-    steps `width` elements at a time, then finishes the remainder one element at a time."""
-    if not dims:
+    """Loop nest over `sizes` (constants, or values computed per call); the outermost runs
+    [lo, hi). With width > 1 the innermost loop steps `width` elements at a time, then finishes
+    the remainder one element at a time."""
+    if not sizes:
         inner(b, [], 1)
         return
     idx: list[ll.Value] = []
 
     def level(depth: int) -> None:
-        start, stop = (lo, hi) if depth == 0 else (I64(0), I64(dims[depth].size))
-        if depth + 1 < len(dims):
+        size = sizes[depth]
+        start, stop = (lo, hi) if depth == 0 else (I64(0), I64(size) if isinstance(size, int) else size)
+        if depth + 1 < len(sizes):
             with counted_loop(b, start, stop) as i:
                 idx.append(i)
                 level(depth + 1)
                 idx.pop()
             return
-        size = dims[depth].size
-        if depth > 0 and size <= FULL_UNROLL:
+        if depth > 0 and isinstance(size, int) and size <= FULL_UNROLL:
             # A short row inside a loop nest: straight-line code, no loop of its own (at -O0 the
             # row's counter and bounds checks would cost more than its few vectors).
             whole = size // width * width if width > 1 else 0
@@ -394,7 +489,7 @@ def _nest(
             if size > whole:
                 inner(b, idx + [I64(whole)], 1, tuple(range(size - whole)))
             return
-        if width > 1 and size >= UNROLL * width:
+        if width > 1 and (not isinstance(size, int) or size >= UNROLL * width):
             # Unrolled: without LLVM's optimiser the loop counter lives on the stack, and its
             # store-to-load chain, not the arithmetic, would set the pace of a one-vector loop.
             unrolled = tuple(u * width for u in range(UNROLL))
@@ -450,6 +545,19 @@ UNROLL = 4  # vectors per iteration of the main loop
 FULL_UNROLL = 128  # elements: inner rows this short are written out in full
 
 
+def _nonzero(x: int | ll.Value) -> bool:
+    """A stride or offset that may not be 0 (one computed per call is a product of sizes >= 1)."""
+    return not isinstance(x, int) or x != 0
+
+
+def _one(x: int | ll.Value) -> bool:
+    return isinstance(x, int) and x == 1
+
+
+def _value(x: int | ll.Value) -> ll.Value:
+    return I64(x) if isinstance(x, int) else x
+
+
 class _BodyEmitter:
     """Emits one iteration (one element, or WIDTH of them) of a fused elementwise body."""
 
@@ -462,14 +570,14 @@ class _BodyEmitter:
     def pointer(self, b: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
         base, strides, off = self.accesses[name]
         # Without LLVM's optimiser nothing folds `* 1` or `+ 0`: skip them here.
-        steps = [(i, strides[d.axis]) for d, i in zip(self.dims, idx) if strides[d.axis]]
-        terms = [i if st == 1 else b.mul(i, I64(st)) for i, st in steps] + ([I64(off)] if off else [])
+        steps = [(i, strides[d.axis]) for d, i in zip(self.dims, idx) if _nonzero(strides[d.axis])]
+        terms = [i if _one(st) else b.mul(i, _value(st)) for i, st in steps] + ([_value(off)] if _nonzero(off) else [])
         lin = terms[0] if terms else I64(0)
         for t in terms[1:]:
             lin = b.add(lin, t)
         return b.gep(base, [lin], source_etype=self._etype(name))
 
-    def _inner_stride(self, name: str) -> int:
+    def _inner_stride(self, name: str) -> int | ll.Value:
         """How far an access moves per step of the innermost loop (0: broadcast)."""
         return self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
 
@@ -488,9 +596,10 @@ class _BodyEmitter:
             if name not in bases:
                 bases[name] = self.pointer(b, name, idx)
             inner = self._inner_stride(name)
-            if not offset or not inner:
+            if not offset or not _nonzero(inner):
                 return bases[name]
-            return b.gep(bases[name], [I64(offset * inner)], source_etype=self._etype(name))
+            step = I64(offset * inner) if isinstance(inner, int) else b.mul(I64(offset), inner)
+            return b.gep(bases[name], [step], source_etype=self._etype(name))
 
         def const(v: float) -> ll.Constant:
             return ll.Constant(ty(F32), [v] * width) if width > 1 else F32(v)

@@ -27,6 +27,7 @@ at::Tensor at jit.TENSOR_OFFSET.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -63,6 +64,7 @@ from .jit import (
 
 NULL = ll.Constant(PTR, None)
 PY_EQ = 2
+UNBOUND = -1  # a symbol's slot before a size binds it (every symbol's smallest value is >= 1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class TensorCheck:
     pos: int  # argument position, or -1 for a parameter
     slot: int  # where native code reads its data pointer, or -1
     layout: bool  # check type, dispatch keys, dtype, sizes and strides (else only requires_grad)
+    # Sizes and strides as words (see `ref`), where a shape-generic program reads symbols: None
+    # for the example's own.
+    words: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,20 @@ class EntrySpec:
     epoch_value: int
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     mkl_threads: int  # jit.mkl_threads() the one-thread GEMMs were probed for; -1: none
-    outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout) allocated per call and returned
+    outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout as words) allocated per call and returned
     tuple_output: bool
-    scratch: tuple[tuple[int, int], ...]  # (slot, bytes) of buffers kept across calls
+    scratch: tuple[tuple[int, int], ...]  # (slot, bytes as a word) of buffers kept across calls
     n_slots: int
     release_gil: bool  # around the kernels: other Python threads run meanwhile
+    symbols: tuple[tuple[int, int], ...] = ()  # (slot, smallest value) of a generic program's symbols
+
+
+def ref(slot: int) -> int:
+    """A word that stands for the value in slot `slot` of the table, not for itself (sizes,
+    strides and byte counts are never negative): a shape-generic program's symbol, bound from
+    the first size that names it and required equal at the others, or a value its `dims`
+    function computes from the symbols."""
+    return -1 - slot
 
 
 # --- the descriptor: one record of 8-byte words, read by the generic code by index ----------------
@@ -99,14 +113,16 @@ class EntrySpec:
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
-    "n_tensors tensors "
-    "n_outputs outputs tuple_output n_scratch scratch scratch_total n_slots release_gil busy"
+    "n_tensors tensors n_symbols symbols dims "
+    "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
 MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
-SCRATCH_WORDS = ("slot", "offset", "kept")
+SCRATCH_WORDS = ("slot", "bytes")
+SYMBOL_WORDS = ("slot", "lo")
+MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 
 
 def _words(values: list[int]) -> Any:
@@ -116,14 +132,18 @@ def _words(values: list[int]) -> Any:
 class Descriptor:
     """A program's descriptor, in memory that native code reads; it keeps what it points at alive."""
 
-    def __init__(self, spec: EntrySpec, miss: Any, py_body: Any, run: int, scratch: dict[int, int]) -> None:
+    def __init__(self, spec: EntrySpec, miss: Any, py_body: Any, run: int) -> None:
         self._keep: list[Any] = []  # arrays and objects the words point at
         self._held: dict[int, tuple[Any, ...]] = {}  # tensor record -> its parameter (and the one before)
         self._objects: dict[str, Any] = {}  # the object each object word points at now
         self.words = _words([0] * len(_FIELDS))
         self.address = ctypes.addressof(self.words)
         self._guard(spec, miss)
-        self._body(spec, py_body, run, scratch)
+        self._body(spec, py_body, run)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at exit, the module may be gone before us
+            _free(self.words[W["kept"]])  # the scratch memory native code allocated, if any
 
     def _guard(self, spec: EntrySpec, miss: Any) -> None:
         for name, obj in {"miss": miss, "training": sys.intern("training")}.items():
@@ -135,6 +155,7 @@ class Descriptor:
         self.set("matmul_precision", spec.matmul_precision)
         self.set("mkl_threads", spec.mkl_threads)
         self.set("n_args", spec.n_args)
+        self._set_array("symbols", "n_symbols", [w for sym in spec.symbols for w in sym], len(spec.symbols))
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
@@ -153,20 +174,15 @@ class Descriptor:
         for i, t in enumerate(tensors):
             self.tensors[i * len(TENSOR_WORDS) + TENSOR_WORDS.index("keys")] = dispatch_keys(t)
 
-    def _body(self, spec: EntrySpec, py_body: Any, run: int, scratch: dict[int, int]) -> None:
+    def _body(self, spec: EntrySpec, py_body: Any, run: int) -> None:
         self.set_object("py_body", py_body)
         self.set_object("oom", torch.OutOfMemoryError)
         self.set("run", run)
         outputs = [w for slot, meta in spec.outputs for w in self._output(slot, meta)]
         self._set_array("outputs", "n_outputs", outputs, len(spec.outputs))
         self.set("tuple_output", int(spec.tuple_output))
-        offsets, total = [], 0
-        for _, nbytes in spec.scratch:
-            offsets.append(total)
-            total += -(-nbytes // 64) * 64  # a fresh allocation holds them all, 64-byte aligned
-        records = [w for (slot, _), off in zip(spec.scratch, offsets) for w in (slot, off, scratch[slot])]
-        self._set_array("scratch", "n_scratch", records, len(spec.scratch))
-        self.set("scratch_total", total)
+        # The scratch buffers: one allocation, made (and grown) by the first call that needs it
+        self._set_array("scratch", "n_scratch", [w for rec in spec.scratch for w in rec], len(spec.scratch))
         self.set("n_slots", spec.n_slots)
         self.set("release_gil", int(spec.release_gil))
 
@@ -217,7 +233,7 @@ class Descriptor:
 
     def _tensor(self, i: int, t: TensorCheck) -> list[int]:
         x = t.example
-        sizes, strides = self._shape(tuple(x.shape), x.stride())
+        sizes, strides = self._shape(*(t.words or (tuple(x.shape), x.stride())))
         obj = 0
         if t.pos < 0:
             self._held[i] = (x,)
@@ -230,6 +246,15 @@ class Descriptor:
         return [slot, _dtype(meta.dtype), len(meta.shape), sizes, strides]
 
 
+_libc = ctypes.CDLL(None)
+_libc.free.argtypes = [ctypes.c_void_p]
+
+
+def _free(address: int) -> None:
+    if address:
+        _libc.free(address)
+
+
 def _lookup(m: torch.nn.Module) -> int:
     """How the entry reads m.training: from the instance dict (as getattr finds it there), or
     by getattr itself where the class defines `training` or customises attribute access."""
@@ -240,6 +265,11 @@ def _lookup(m: torch.nn.Module) -> int:
 
 def _dtype(dtype: torch.dtype) -> int:
     return shim_constant(f"dtype_{str(dtype).removeprefix('torch.')}")
+
+
+def _aligned(b: ll.IRBuilder, nbytes: ll.Value) -> ll.Value:
+    """nbytes rounded up to 64 (each scratch buffer starts on a cache line)."""
+    return b.and_(b.add(nbytes, I64(63)), I64(-64))
 
 
 # --- per program: two trampolines that pass the program's descriptor -------------------------------
@@ -345,6 +375,15 @@ class _Runtime:
         self._check_consts(b, d, args, require)
         self._check_dispatch_state(b, d, require)
         grad_mode = b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])
+        with counted_loop(b, I64(0), f("n_symbols")) as i:
+            sym = self.record(b, d, "symbols", i, SYMBOL_WORDS)
+            b.store(I64(UNBOUND), self.item(b, table, sym("slot")))
+        with counted_loop(b, I64(0), f("n_tensors")) as i:
+            self._check_layout(b, d, args, i, table, require)
+        with counted_loop(b, I64(0), f("n_symbols")) as i:
+            sym = self.record(b, d, "symbols", i, SYMBOL_WORDS)
+            require(b.icmp_signed(">=", b.load(self.item(b, table, sym("slot")), typ=I64), sym("lo")))
+        self._dims(b, d, table)
         with counted_loop(b, I64(0), f("n_tensors")) as i:
             self._check_tensor(b, d, args, i, table, grad_mode, require)
         with counted_loop(b, I64(0), f("n_modules")) as i:
@@ -360,6 +399,18 @@ class _Runtime:
         b.position_at_end(miss)
         b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
         b.ret(b.call(self.vectorcall, [f("on_miss", PTR), args, nargs, kwnames]))
+
+    def resolve(self, b: ll.IRBuilder, table: ll.Value, word: ll.Value) -> ll.Value:
+        """A size or stride word's value: itself, or the table's value that it refers to (ref)."""
+        referred = b.icmp_signed("<", word, I64(0))
+        slot = b.select(referred, b.sub(I64(-1), word), I64(0))
+        return b.select(referred, b.load(self.item(b, table, slot), typ=I64), word)
+
+    def _dims(self, b: ll.IRBuilder, d: ll.Value, table: ll.Value) -> None:
+        """A generic program's values computed from its symbols, into the table."""
+        dims = self.field(b, d, "dims", PTR)
+        with b.if_then(b.icmp_unsigned("!=", dims, NULL)):
+            b.call(_Callee(dims, ll.FunctionType(VOID, [PTR])), [table])
 
     def _check_consts(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, require: Callable) -> None:
         """type(arg) is type(value) and arg == value, for each specialised Python argument."""
@@ -426,6 +477,36 @@ class _Runtime:
             b.store(b.load(self.item(b, args, pos), typ=PTR), obj)
         return b.load(obj, typ=PTR)
 
+    def _check_layout(
+        self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, table: ll.Value, require: Callable
+    ) -> None:
+        """Tensor i's type, dispatch keys (so device, layout, and no lazy negation or functorch
+        wrapper), dtype and sizes as compiled; a size that names a symbol binds it, or must
+        equal the value bound."""
+        t = self.record(b, d, "tensors", i, TENSOR_WORDS)
+        obj = self._tensor_object(b, args, t)
+        h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)  # the at::Tensor: its first word is the impl
+        with b.if_then(b.icmp_signed("!=", t("layout"), I64(0))):
+            require(b.icmp_unsigned("==", b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR), t("type", PTR)))
+            keys = b.load(b.gep(b.load(h, typ=PTR), [I64(KEYSET_OFFSET)], source_etype=I8), typ=I64)
+            require(b.icmp_unsigned("==", keys, t("keys")))
+            out = self._alloca(b, I64)
+            b.store(I64(0), out)  # the getter writes an int32 into it
+            b.call(self.mb.declare("aoti_torch_get_dtype", I32, [PTR, PTR]), [h, out])
+            require(b.icmp_signed("==", b.load(out, typ=I64), t("dtype")))
+            b.call(self.mb.declare("aoti_torch_get_dim", I32, [PTR, PTR]), [h, out])
+            ndim = t("ndim")
+            require(b.icmp_signed("==", b.load(out, typ=I64), ndim))
+            b.call(self.mb.declare("aoti_torch_get_sizes", I32, [PTR, PTR]), [h, out])
+            have, want = b.load(out, typ=PTR), t("sizes", PTR)
+            with counted_loop(b, I64(0), ndim) as k:
+                size, word = self.word(b, have, k), self.word(b, want, k)
+                with b.if_then(b.icmp_signed("<", word, I64(0))):  # a symbol: bind it
+                    bound = self.item(b, table, b.sub(I64(-1), word))
+                    before = b.load(bound, typ=I64)
+                    b.store(b.select(b.icmp_signed("==", before, I64(UNBOUND)), size, before), bound)
+                require(b.icmp_signed("==", size, self.resolve(b, table, word)))
+
     def _check_tensor(
         self,
         b: ll.IRBuilder,
@@ -436,35 +517,24 @@ class _Runtime:
         grad_mode: ll.Value,
         require: Callable,
     ) -> None:
-        """Tensor i as compiled: type, dispatch keys (so device, layout, and no lazy negation or
-        functorch wrapper), dtype, sizes, strides, memory behind it (its data pointer goes into
-        the table); and, in grad mode, it does not require grad (autograd needs eager)."""
+        """Tensor i's strides as compiled, and memory behind it (its data pointer goes into the
+        table); and, in grad mode, it does not require grad (autograd needs eager)."""
         t = self.record(b, d, "tensors", i, TENSOR_WORDS)
         obj = self._tensor_object(b, args, t)
-        h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)  # the at::Tensor: its first word is the impl
-        impl = b.load(h, typ=PTR)
+        h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
         with b.if_then(b.icmp_signed("!=", t("layout"), I64(0))):
-            require(b.icmp_unsigned("==", b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR), t("type", PTR)))
-            keys = b.load(b.gep(impl, [I64(KEYSET_OFFSET)], source_etype=I8), typ=I64)
-            require(b.icmp_unsigned("==", keys, t("keys")))
             out = self._alloca(b, I64)
-            b.store(I64(0), out)  # the getter writes an int32 into it
-            b.call(self.mb.declare("aoti_torch_get_dtype", I32, [PTR, PTR]), [h, out])
-            require(b.icmp_signed("==", b.load(out, typ=I64), t("dtype")))
-            b.call(self.mb.declare("aoti_torch_get_dim", I32, [PTR, PTR]), [h, out])
-            ndim = t("ndim")
-            require(b.icmp_signed("==", b.load(out, typ=I64), ndim))
-            for getter in ("sizes", "strides"):
-                b.call(self.mb.declare(f"aoti_torch_get_{getter}", I32, [PTR, PTR]), [h, out])
-                have, want = b.load(out, typ=PTR), t(getter, PTR)
-                with counted_loop(b, I64(0), ndim) as k:
-                    require(b.icmp_signed("==", self.word(b, have, k), self.word(b, want, k)))
+            b.call(self.mb.declare("aoti_torch_get_strides", I32, [PTR, PTR]), [h, out])
+            have, want = b.load(out, typ=PTR), t("strides", PTR)
+            with counted_loop(b, I64(0), t("ndim")) as k:
+                require(b.icmp_signed("==", self.word(b, have, k), self.resolve(b, table, self.word(b, want, k))))
             slot = t("slot")
             into = b.select(b.icmp_signed(">=", slot, I64(0)), self.item(b, table, slot), out)
             b.call(self.data_ptr, [h, into])
             empty = b.icmp_signed("==", t("nonempty"), I64(0))
             require(b.or_(empty, b.icmp_unsigned("!=", b.load(into, typ=PTR), NULL)))
         with b.if_then(grad_mode):
+            impl = b.load(h, typ=PTR)
             require(b.icmp_unsigned("==", b.call(self.mb.declare(REQUIRES_GRAD, I8, [PTR]), [impl]), I8(0)))
 
     # --- braze_body and braze_run ----------------------------------------------------------
@@ -482,15 +552,24 @@ class _Runtime:
         table = b.alloca(PTR, size=self.field(b, d, "n_slots"))
         with counted_loop(b, I64(0), self.field(b, d, "n_tensors")) as k:
             t = self.record(b, d, "tensors", k, TENSOR_WORDS)
+            handle = b.gep(self._tensor_object(b, args, t), [I64(TENSOR_OFFSET)], source_etype=I8)
             with b.if_then(b.icmp_signed(">=", t("slot"), I64(0))):
-                handle = b.gep(self._tensor_object(b, args, t), [I64(TENSOR_OFFSET)], source_etype=I8)
                 b.call(self.data_ptr, [handle, self.item(b, table, t("slot"))])
+            with b.if_then(b.icmp_signed("!=", t("layout"), I64(0))):  # bind the symbols, unchecked
+                sizes = self._alloca(b, PTR)
+                b.call(self.mb.declare("aoti_torch_get_sizes", I32, [PTR, PTR]), [handle, sizes])
+                have, want = b.load(sizes, typ=PTR), t("sizes", PTR)
+                with counted_loop(b, I64(0), t("ndim")) as i:
+                    word = self.word(b, want, i)
+                    with b.if_then(b.icmp_signed("<", word, I64(0))):
+                        b.store(self.word(b, have, i), self.item(b, table, b.sub(I64(-1), word)))
+        self._dims(b, d, table)
         b.ret(b.call(run, [d, table]))
 
     def _run(self) -> ll.Function:
         """braze_run(descriptor, table): the table holds the arguments' and parameters' data
-        pointers; allocate the outputs, point at the scratch buffers, run the kernels, return
-        the outputs."""
+        pointers (and a generic program's sizes); allocate the outputs, point at the scratch
+        buffers, run the kernels, return the outputs."""
         fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR]), "braze_run")
         fn.linkage = "internal"
         d, table = fn.args
@@ -505,7 +584,7 @@ class _Runtime:
             self._allocate(b, d, k, self.item(b, handles, k), table, oom)
         busy = b.gep(d, [I64(W["busy"])], source_etype=I64)
         took = b.extract_value(b.cmpxchg(busy, I64(0), I64(1), "acquire", "monotonic"), 1)
-        fresh = self._scratch(b, d, table, took, oom)
+        fresh = self._scratch(b, d, table, took, busy, oom)
         release_gil = b.icmp_signed("!=", f("release_gil"), I64(0))
         state = self._alloca(b, PTR)
         b.store(NULL, state)
@@ -535,31 +614,67 @@ class _Runtime:
     ) -> None:
         """Output k: a fresh tensor of its layout, from ATen's allocator."""
         o = self.record(b, d, "outputs", k, OUTPUT_WORDS)
+        layout = {}
+        for name in ("sizes", "strides"):
+            words = o(name, PTR)
+            with b.goto_entry_block():
+                layout[name] = b.alloca(I64, size=I64(MAX_DIMS))
+            with counted_loop(b, I64(0), o("ndim")) as i:
+                b.store(self.resolve(b, table, self.word(b, words, i)), b.gep(layout[name], [i], source_etype=I64))
         empty = self.mb.declare("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
         cpu = I32(shim_constant("device_type_cpu"))
         dtype = b.trunc(o("dtype"), I32)
-        err = b.call(empty, [o("ndim"), o("sizes", PTR), o("strides", PTR), dtype, cpu, I32(0), handle])
+        err = b.call(empty, [o("ndim"), layout["sizes"], layout["strides"], dtype, cpu, I32(0), handle])
         ok = b.append_basic_block("allocated")
         b.cbranch(b.icmp_signed("==", err, I32(0)), ok, oom)
         b.position_at_end(ok)
         b.call(self.data_ptr, [b.load(handle, typ=PTR), self.item(b, table, o("slot"))])
 
-    def _scratch(self, b: ll.IRBuilder, d: ll.Value, table: ll.Value, took: ll.Value, oom: ll.Block) -> ll.Value:
-        """Point the table's scratch slots at the program's kept buffers or, while another thread
+    def _scratch(
+        self, b: ll.IRBuilder, d: ll.Value, table: ll.Value, took: ll.Value, busy: ll.Value, oom: ll.Block
+    ) -> ll.Value:
+        """Point the table's scratch slots into the program's kept allocation (grown when this
+        call needs more: a generic program's buffers follow its sizes) or, while another thread
         runs this program, into one fresh allocation, which is returned (else NULL)."""
+        total = self._alloca(b, I64)
+        b.store(I64(0), total)
+        with counted_loop(b, I64(0), self.field(b, d, "n_scratch")) as k:
+            s = self.record(b, d, "scratch", k, SCRATCH_WORDS)
+            b.store(b.add(b.load(total, typ=I64), _aligned(b, self.resolve(b, table, s("bytes")))), total)
+        need = b.load(total, typ=I64)
+        kept = b.gep(d, [I64(W["kept"])], source_etype=I64)
+        capacity = b.gep(d, [I64(W["capacity"])], source_etype=I64)
+        alloc = self.mb.declare("aligned_alloc", PTR, [I64, I64])
+        grow = b.and_(took, b.icmp_signed(">", need, b.load(capacity, typ=I64)))
+        with b.if_then(grow):  # this thread holds the program: nobody else uses the memory
+            b.call(self.mb.declare("free", VOID, [PTR]), [b.load(kept, typ=PTR)])
+            b.store(I64(0), capacity)
+            mem = b.call(alloc, [I64(64), need])
+            b.store(mem, kept)
+            grown = b.append_basic_block("scratch_grown")
+            failed = b.append_basic_block("scratch_failed")
+            b.cbranch(b.icmp_unsigned("!=", mem, NULL), grown, failed)
+            b.position_at_end(failed)
+            b.atomic_rmw("xchg", busy, I64(0), "release")
+            b.branch(oom)
+            b.position_at_end(grown)
+            b.store(need, capacity)
         fresh = self._alloca(b, PTR)
         b.store(NULL, fresh)
-        total = self.field(b, d, "scratch_total")
-        with b.if_then(b.and_(b.not_(took), b.icmp_signed(">", total, I64(0)))):
-            mem = b.call(self.mb.declare("aligned_alloc", PTR, [I64, I64]), [I64(64), total])
+        with b.if_then(b.and_(b.not_(took), b.icmp_signed(">", need, I64(0)))):
+            mem = b.call(alloc, [I64(64), need])
             ok = b.append_basic_block("scratch_allocated")
             b.cbranch(b.icmp_unsigned("!=", mem, NULL), ok, oom)
             b.position_at_end(ok)
             b.store(mem, fresh)
+        base = b.select(took, b.load(kept, typ=PTR), b.load(fresh, typ=PTR))
+        offset = self._alloca(b, I64)
+        b.store(I64(0), offset)
         with counted_loop(b, I64(0), self.field(b, d, "n_scratch")) as k:
             s = self.record(b, d, "scratch", k, SCRATCH_WORDS)
-            into = b.gep(b.load(fresh, typ=PTR), [s("offset")], source_etype=I8)
-            b.store(b.select(took, s("kept", PTR), into), self.item(b, table, s("slot")))
+            at = b.load(offset, typ=I64)
+            b.store(b.gep(base, [at], source_etype=I8), self.item(b, table, s("slot")))
+            b.store(b.add(at, _aligned(b, self.resolve(b, table, s("bytes")))), offset)
         return b.load(fresh, typ=PTR)
 
     def _results(self, b: ll.IRBuilder, d: ll.Value, handles: ll.Value) -> None:

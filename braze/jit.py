@@ -193,6 +193,33 @@ def _one_thread_same(call: tuple, beta: float, threads: int) -> bool:  # threads
     return True
 
 
+def one_thread_same_sizes(calls: list[dict[str, Any]], beta: float) -> list[bool]:
+    """one_thread_same for the arguments of one GEMM at many sizes (a generic program's), probed
+    on shared random operands: ~100x cheaper per size than one probe each."""
+    threads, cpu = mkl_threads(), _torch_lib("libtorch_cpu.so")
+    args = [tuple(blas[a] for a in ("ta", "tb", "m", "n", "k", "lda", "ldb", "ldc")) for blas in calls]
+    spans = [(lda * (m if ta else k), ldb * (k if tb else n), ldc * n) for ta, tb, m, n, k, lda, ldb, ldc in args]
+    gen = torch.Generator().manual_seed(0)
+    same = [True] * len(args)
+    for skew in (0, 1):
+        a, b, c = (torch.randn(max(s) + skew, generator=gen)[skew:] for s in zip(*spans, (0, 0, 0)))
+        for i, (call, (_, _, nc)) in enumerate(zip(args, spans)):
+            if not same[i] or (call, beta, threads) in _PROBED:
+                continue
+            threaded, alone = c[:nc].clone(), c[:nc].clone()
+            _sgemm(call, a, b, beta, threaded)
+            before = cpu.MKL_Set_Num_Threads_Local(1)
+            try:
+                _sgemm(call, a, b, beta, alone)
+            finally:
+                cpu.MKL_Set_Num_Threads_Local(before)
+            same[i] = torch.equal(threaded.view(torch.int32), alone.view(torch.int32))
+    return [_PROBED.setdefault((call, beta, threads), ok) for call, ok in zip(args, same)]
+
+
+_PROBED: dict[tuple, bool] = {}  # (sgemm_ arguments, beta, threads) -> one_thread_same_sizes's answer
+
+
 def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.Tensor) -> None:
     """sgemm_ through ctypes (column-major, alpha 1) on tensors' memory; call = (ta, tb, m, n, k,
     lda, ldb, ldc)."""

@@ -30,9 +30,11 @@ from torch.utils import _pytree as pytree
 
 from . import config, entry
 from .codegen import Access, ModuleBuilder, Segment
+from .dims import Dim, Expr, value
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
 from .jit import compile_module, matmul_precision, mkl_threads, pyfunction
 from .lowering import Lowered, Sym
+from .lowering.generic import Family, NotGeneric
 
 MISS = object()  # what an entry returns for a call it was not compiled for, unless told otherwise
 
@@ -143,10 +145,24 @@ class Program:
 
     _want_text = False  # keep LLVM IR and assembly text (braze.explain sets it)
 
-    def __init__(self, lowered: Lowered, graph: Graph, timings: list[tuple[str, float]], guard: Guard) -> None:
+    def __init__(
+        self,
+        lowered: Lowered,
+        graph: Graph,
+        timings: list[tuple[str, float]],
+        guard: Guard,
+        family: Family | None = None,
+    ) -> None:
         self.graph = graph
         self.nodes = graph.node_map()
         self.layout = _layout(graph)
+        # A shape-generic program (see lowering/generic.py): its symbols' slots follow the
+        # values', then those of the sizes its entry computes from them (`derived`).
+        self.family = family
+        self.point = family.values(guard.args) if family is not None else ()  # the sizes it was built at
+        n_symbols = len(family.lo) if family is not None else 0
+        self.symbol_slots = tuple(range(len(self.layout.slot), len(self.layout.slot) + n_symbols))
+        self.derived: dict[Expr, int] = {}
         # From the planned graph, not from lowering: DCE drops parameters nothing reads.
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
@@ -160,6 +176,8 @@ class Program:
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
         self.native = not self.externs and _native_outputs(lowered, fresh)
+        if family is not None and not self.native:
+            raise NotGeneric("it makes ATen calls (only native programs are shape-generic yet)")
         self.reads = _native_reads(self)  # owners of the memory native code works on
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self.blas_clock: tuple[Any, Any] | None = None  # see config.blas_clock
@@ -216,17 +234,39 @@ class Program:
         return self.entry(*args, **kwargs)
 
     # --- building ----------------------------------------------------------------------------
+    def word(self, x: Dim) -> int:
+        """A size, stride or byte count as a descriptor word: itself, or where the table holds it."""
+        if isinstance(x, int):
+            return x
+        symbol = next((j for j in x.symbols()), 0)
+        if x == Expr.symbol(symbol, x.n):
+            return entry.ref(self.symbol_slots[symbol])
+        if x not in self.derived:
+            self.derived[x] = len(self.layout.slot) + len(self.symbol_slots) + len(self.derived)
+        return entry.ref(self.derived[x])
+
+    def _words(self, meta: TensorMeta) -> TensorMeta:
+        return TensorMeta(tuple(map(self.word, meta.shape)), tuple(map(self.word, meta.stride)), 0, meta.dtype)
+
     def _spec(self, lowered: Lowered, guard: Guard, fresh: dict[str, str]) -> entry.EntrySpec:
         slot, reads = self.layout.slot, self.reads
-        read = {n.attrs["index"]: slot[n.name] for n in self.graph.nodes if n.op is Op.INPUT and n.name in reads}
-        args = enumerate(guard.args)
-        tensors = [entry.TensorCheck(a, i, read.get(i, -1), True) for i, a in args if isinstance(a, torch.Tensor)]
+        inputs = {n.attrs["index"]: n for n in self.graph.nodes if n.op is Op.INPUT}
+        read = {i: slot[n.name] for i, n in inputs.items() if n.name in reads}
+        tensors = []
+        for i, a in enumerate(guard.args):
+            if isinstance(a, torch.Tensor):
+                words = self._words(inputs[i].meta) if self.family is not None and i in inputs else None
+                layout = (words.shape, words.stride) if words is not None else None
+                tensors.append(entry.TensorCheck(a, i, read.get(i, -1), True, layout))
         for name, p in zip(self.param_names, self.params):
             natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
             tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively))
         ours = {id(p) for p in self.params}  # the rest, read by ATen calls: only requires_grad
         tensors += [entry.TensorCheck(p, -1, -1, False) for p in guard.params if id(p) not in ours]
         outs = [fresh[v] for v in lowered.out_leaves] if self.native else []
+        outputs = tuple((slot[o], self._words(self.alloc[o])) for o in outs)
+        scratch = tuple((self.layout.tmp_slot[b], self.word(nb)) for b, nb in self.layout.scratch_bytes.items())
+        lo = self.family.lo if self.family is not None else ()
         return entry.EntrySpec(
             n_args=lowered.n_args,
             tensors=tuple(tensors),
@@ -236,13 +276,12 @@ class Program:
             epoch_value=guard.epoch_value,
             matmul_precision=matmul_precision() if self._gemms() else -1,
             mkl_threads=mkl_threads() if self._one_thread_gemms() else -1,
-            outputs=tuple((slot[o], self.alloc[o]) for o in outs),
+            outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
-            scratch=tuple((self.layout.tmp_slot[b], nb) for b, nb in self.layout.scratch_bytes.items())
-            if self.native
-            else (),
-            n_slots=len(slot),
+            scratch=scratch if self.native else (),
+            n_slots=max(len(slot) + len(self.symbol_slots) + len(self.derived), 1),
             release_gil=self._flops() >= config.release_gil_flops,
+            symbols=tuple(zip(self.symbol_slots, lo)),
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -251,15 +290,16 @@ class Program:
             self.timings.append(("entry runtime (once)", (time.perf_counter() - t0) * 1e3))
             t0 = time.perf_counter()
         prefix = f"braze{next(_serial)}"
-        mb = ModuleBuilder(prefix, self._access, config.parallel_threshold, config.blas_clock)
+        mb = ModuleBuilder(prefix, self._access, config.parallel_threshold, config.blas_clock, self.symbol_slots)
         segs = [mb.segment(s) for s in self.segments]
         desc_name = entry.emit_trampolines(mb)
+        dims = [mb.emit_dims(list(self.derived.items()))] if self.family is not None else []
         clock = [f"{prefix}_blas_cycles", f"{prefix}_cycles"] if mb.clock is not None else []
         text = str(mb.module)
         self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
         want = config.debug >= 4 or bool(config.debug_dir) or self._want_text
         level = config.opt_level if self._loop_work() >= config.optimize_threshold else 0
-        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + clock
+        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + clock + dims
         compiled = compile_module(text, names, level, want)
         self.timings += compiled.timings
         self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
@@ -267,14 +307,14 @@ class Program:
         if clock:  # the counter of cycles spent in BLAS calls, and the clock it reads
             self.blas_clock = (ctypes.c_uint64.from_address(addr[clock[0]]), _CYCLES_FN(addr[clock[1]]))
         python_body, run = None, 0
-        self._scratch = _scratch_buffers(self.layout) if self.native else {}
         if self.native:
             run = addr[segs[0].name] if segs else 0  # all native: one segment
         else:
             self._fns = [_VOID_FN(addr[f.name]) for f in segs]
             python_body = self._python_body(lowered)
-        scratch = {self.layout.tmp_slot[b]: t.data_ptr() for b, t in self._scratch.items()}
-        self._descriptor = entry.Descriptor(spec, MISS, python_body, run, scratch)
+        self._descriptor = entry.Descriptor(spec, MISS, python_body, run)
+        if dims:
+            self._descriptor.set("dims", addr[dims[0]])
         self._descriptor.set_object("on_miss", _return_miss)
         ctypes.c_void_p.from_address(addr[desc_name]).value = self._descriptor.address
         run_fn = pyfunction(addr[f"{prefix}_entry"], "entry", True, self)
@@ -301,15 +341,18 @@ class Program:
         return [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
 
     def _one_thread_gemms(self) -> bool:
-        return any(k.attrs.get("one_thread", False) for s in self.segments for k in s.kernels)
+        one = lambda k: k.attrs.get("one_thread", False) or k.attrs.get("one_thread_sizes")  # noqa: E731
+        return any(one(k) for s in self.segments for k in s.kernels)
 
     def _flops(self) -> int:
-        """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element."""
-        return 2 * sum(g.get("batch", 1) * g["m"] * g["n"] * g["k"] for g in self._gemms()) + self._loop_work()
+        """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element
+        (a generic program's: at the sizes it was built at)."""
+        gemms = sum(value(g.get("batch", 1) * g["m"] * g["n"] * g["k"], self.point) for g in self._gemms())
+        return 2 * gemms + self._loop_work()
 
     def _loop_work(self) -> int:
         """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""
-        return sum(k.meta.numel for s in self.segments for k in s.kernels)
+        return sum(value(k.meta.numel, self.point) for s in self.segments for k in s.kernels)
 
     def _namespace(self, lowered: Lowered, consts: dict[str, Any]) -> dict[str, Any]:
         ns: dict[str, Any] = {"_empty": torch.empty_strided, "_ws": self.workspace, **consts}

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import config, jit
+from .. import config, dims, jit
 from ..ir import Op, TensorMeta, broadcast_shape, contiguous_strides
 from .core import META_RULES, Lowerer, NotNative, Sym, no_out, to_meta
 
@@ -124,6 +124,31 @@ def _one_thread(blas: dict[str, Any], beta: float) -> bool:
     if not 0 < flops < config.one_thread_gemm_flops or jit.mkl_threads() == 1:
         return False
     return jit.one_thread_same(blas, beta)
+
+
+# A generic GEMM probes one-thread sizes up to this many values of its symbol (10 ms per 128).
+ONE_THREAD_SIZES = 128
+
+
+def one_thread_sizes(
+    blas: dict[str, Any], beta: float, lo: tuple[int, ...]
+) -> tuple[int, int, tuple[bool, ...]] | None:
+    """For a generic GEMM whose sizes depend on one symbol: (the symbol, its first value, whether
+    each value from there may run on one thread), for the values where its flops are below
+    config.one_thread_gemm_flops; None where none may (the GEMM then runs on MKL's threads)."""
+    flops = 2 * blas["m"] * blas["n"] * blas["k"]
+    symbols = set().union(*(x.symbols() for x in blas.values() if isinstance(x, dims.Expr)))
+    if len(symbols) != 1 or jit.mkl_threads() == 1:
+        return None
+    j = symbols.pop()
+    at = lambda v: [v if i == j else 1 for i in range(len(lo))]  # noqa: E731
+    values = [
+        v for v in range(lo[j], lo[j] + ONE_THREAD_SIZES) if dims.value(flops, at(v)) < config.one_thread_gemm_flops
+    ]
+    calls = [{k: dims.value(x, at(v)) for k, x in blas.items()} for v in values]
+    same = jit.one_thread_same_sizes(calls, beta) if calls else []
+    # flops grow with the symbol: the values below the threshold are the first ones
+    return (j, lo[j], tuple(same)) if any(same) else None
 
 
 # --- output layouts of the GEMM family, without their Python meta kernels (see _example_call) ---

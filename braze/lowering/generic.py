@@ -1,0 +1,199 @@
+"""Shape-generic lowering: one IR graph for a family of shapes, its sizes polynomials of symbols.
+
+Lowering runs ops on real tensors, which gives eager's layouts (and errors) exactly but only for
+one shape. `lower_generic` lowers the graph at a grid of values of the symbols (each symbol a
+dimension of the arguments that changed between calls), requires every lowering to make the
+same IR apart from its integers, fits each integer that varies as a polynomial (dims.fit), and
+checks the fit at the shapes the wrapper has seen and at the smallest sizes the program is to
+admit. Lowering's own decisions that depend on sizes (BLAS arguments, ATen's size-1 special
+cases, bmm's small-matrix path) then either hold for the whole family or show up as a
+difference that makes the family smaller or the program specialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import config, dims
+from ..capture import Captured
+from ..dims import Undecided
+from ..ir import Graph, Node, Op, TensorMeta
+from .core import Lowered, Sym, lower
+from .gemm import one_thread_sizes
+
+# Where a symbol is read: (argument position, dimension).
+Place = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Family:
+    """The symbols of a generic program: where each is read, and its smallest admitted value."""
+
+    places: tuple[tuple[Place, ...], ...]  # per symbol, every argument dimension that holds it
+    lo: tuple[int, ...]
+
+    def values(self, args: Sequence[Any]) -> tuple[int, ...] | None:
+        """Each symbol's value in a call, or None if the call is outside the family (a symbol
+        below its bound, or two places of one symbol differing)."""
+        out = []
+        if not all(args[i].is_contiguous() for places in self.places for i, _ in places):
+            return None
+        for places, lo in zip(self.places, self.lo):
+            sizes = {args[i].shape[d] for i, d in places}
+            if len(sizes) != 1 or min(sizes) < lo:
+                return None
+            out.append(sizes.pop())
+        return tuple(out)
+
+
+class NotGeneric(Exception):
+    """The graph's lowering differs between shapes of the family other than by its sizes."""
+
+
+def lower_generic(
+    captured: Captured, args: tuple[Any, ...], places: Sequence[Sequence[Place]], seen: Sequence[Sequence[int]]
+) -> tuple[Lowered, Family]:
+    """Lower for every call whose arguments are laid out like `args` but for the sizes at
+    `places` (one list per symbol); `seen` lists the values of the symbols in calls so far (one
+    tuple per call). Raises NotGeneric with the reason when no polynomial family fits."""
+    n = len(places)
+    if not all(args[i].is_contiguous() for ps in places for i, _ in ps):
+        raise NotGeneric("an argument of changing size is not contiguous")
+    starts = [max(min(p[j] for p in seen), 2) for j in range(n)]
+    grids = [list(range(start, start + dims.DEGREE + 1)) for start in starts]
+    runs: dict[tuple[int, ...], tuple[Any, list[int], Lowered]] = {}
+
+    def run(point: tuple[int, ...]) -> tuple[Any, list[int], Lowered]:
+        if point not in runs:
+            lowered = point_lowering(captured, args, places, point)
+            ints: list[int] = []
+            runs[point] = (_walk(lowered, ints.append, True), ints, lowered)
+        return runs[point]
+
+    grid = list(itertools.product(*grids))
+    try:
+        shape = run(grid[0])[0]
+        for p in grid:
+            if run(p)[0] != shape:
+                raise NotGeneric(f"lowering at sizes {p} differs from lowering at {grid[0]} other than in sizes")
+    except (NotGeneric, Undecided):
+        raise
+    except Exception as e:
+        raise NotGeneric(f"lowering at other sizes fails ({type(e).__name__}: {e})") from e
+    samples = list(zip(*(run(p)[1] for p in grid)))
+    fitted = [dims.fit(grid, list(s), grids) for s in samples]
+    if any(f is None for f in fitted):
+        raise NotGeneric("a size is not a polynomial of degree <= 2 in the changing dimensions")
+
+    def holds(point: tuple[int, ...]) -> bool:
+        try:
+            got, ints, _ = run(point)
+        except Exception:
+            return False
+        return got == shape and all(dims.value(f, point) == i for f, i in zip(fitted, ints))
+
+    for point in seen:
+        if min(point) >= 2 and not holds(tuple(point)):
+            raise NotGeneric(f"the fitted sizes do not hold at {tuple(point)}")
+    lo = [_smallest(j, starts, holds) for j in range(n)]
+    fitted_ints = iter(fitted)
+    generic = _walk(runs[grid[0]][2], lambda _: next(fitted_ints), False)
+    for node in generic.graph.nodes:
+        if node.op is Op.GEMM:
+            node.attrs["one_thread_sizes"] = one_thread_sizes(node.attrs["blas"], node.attrs["beta"], tuple(lo))
+    return generic, Family(tuple(tuple(p) for p in places), tuple(lo))
+
+
+LOWER_CHECKS = 8  # sizes below the fitted ones checked one by one for the family
+
+
+def _smallest(j: int, starts: list[int], holds: Callable[[tuple[int, ...]], bool]) -> int:
+    """The smallest value of symbol j the family admits. Lowering's decisions that depend on a
+    size are ATen's size-1 cases and thresholds that grow with the size (bmm's path for small
+    matrices): a match at 2 and at the fitted sizes holds between them, and 1 is checked alone.
+    Where 2 does not match, the sizes below the fitted ones are checked one by one."""
+    at = lambda v: tuple(v if k == j else starts[k] for k in range(len(starts)))  # noqa: E731
+    lo = starts[j]
+    if lo > 2 and holds(at(2)):
+        lo = 2
+    while lo > max(2, starts[j] - LOWER_CHECKS) and holds(at(lo - 1)):
+        lo -= 1
+    return 1 if lo == 2 and holds(at(1)) else lo
+
+
+def varying(captured: Captured, args: tuple[Any, ...], places: Sequence[Place]) -> list[Place]:
+    """The places whose size the graph lowers at when it changes (one more): for dynamic=True,
+    which makes every dimension a candidate, also those a weight's shape fixes."""
+    out = []
+    for i, d in places:
+        try:
+            point_lowering(captured, args, [[(i, d)]], [args[i].shape[d] + 1])
+        except Exception:
+            continue
+        out.append((i, d))
+    return out
+
+
+def point_lowering(
+    captured: Captured, args: tuple[Any, ...], places: Sequence[Sequence[Place]], point: Sequence[int]
+) -> Lowered:
+    """Lower with each symbol's dimensions resized to its value at `point`."""
+    want: dict[int, dict[int, int]] = {}
+    for j, ps in enumerate(places):
+        for i, d in ps:
+            want.setdefault(i, {})[d] = point[j]
+    resized = tuple(_resized(a, want[i]) if i in want else a for i, a in enumerate(args))
+    # Whether a small GEMM runs on one thread is probed per shape: a generic program's GEMMs run
+    # on MKL's thread count, as eager's do.
+    with config.patch(one_thread_gemm_flops=0):
+        return lower(captured, resized)
+
+
+def _resized(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
+    """`t` with dimension d of size sizes[d], its values repeated along it (an index stays a valid
+    index), contiguous like the arguments of a generic family."""
+    out = t
+    for d, n in sizes.items():
+        out = out.index_select(d, torch.arange(n) % max(t.shape[d], 1))
+    return out.contiguous()
+
+
+_IGNORED = frozenset({"label", "why", "externs"})  # text for people, which may quote sizes
+
+
+def _walk(x: Any, on_int: Callable[[int], Any], keyed: bool) -> Any:
+    """`x` rebuilt with each integer in it replaced by on_int(integer), in a fixed order; with
+    `keyed`, a comparable key of x's structure instead (objects by identity, integers as holes):
+    two lowerings with equal keys differ only in their integers."""
+    walk = lambda v: _walk(v, on_int, keyed)  # noqa: E731
+    if isinstance(x, bool) or x is None or isinstance(x, (str, float, torch.dtype, torch.device)):
+        return ("v", repr(x)) if keyed else x
+    if isinstance(x, int):
+        got = on_int(x)
+        return "#" if keyed else got
+    if isinstance(x, (Lowered, Graph, Node, TensorMeta)):
+        fields = {f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x) if f.name not in _IGNORED}
+        return (type(x).__name__, tuple(fields.items())) if keyed else dataclasses.replace(x, **fields)
+    if isinstance(x, dict):
+        items = {k: v if k in _IGNORED else walk(v) for k, v in x.items() if not (keyed and k in _IGNORED)}
+        return tuple(items.items()) if keyed else items
+    if isinstance(x, (tuple, list, frozenset)) and not hasattr(x, "_fields"):
+        items = [walk(v) for v in (sorted(x) if isinstance(x, frozenset) else x)]
+        if keyed:
+            return (type(x).__name__, tuple(items))
+        return tuple(items) if isinstance(x, torch.Size) else type(x)(items)
+    if isinstance(x, slice):
+        parts = (walk(x.start), walk(x.stop), walk(x.step))
+        return ("slice", parts) if keyed else slice(*parts)
+    if isinstance(x, Sym):
+        return ("sym", x.name) if keyed else x
+    if isinstance(x, pytree.TreeSpec):
+        return ("spec", str(x)) if keyed else x
+    return ("id", id(x)) if keyed else x

@@ -1,0 +1,169 @@
+"""Shape-generic programs: one program for every size of the dimensions that change between
+calls (braze.compile's `dynamic`), exact at every size, its guard binding and checking sizes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import braze
+from braze.dims import Expr, Undecided, fit, positive
+
+from .helpers import assert_same
+
+SIZES = (1, 7, 15, 16, 17, 33, 257, 32769 // 64 + 1)
+
+
+def lesson() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).eval()
+
+
+def calls(compiled, fn, inputs_list):
+    """Call compiled and eager on each inputs tuple, requiring the same answers."""
+    with torch.no_grad():
+        for inputs in inputs_list:
+            assert_same(compiled(*inputs), fn(*inputs))
+
+
+def generic(compiled) -> list:
+    return [p for p in compiled.programs() if p.family is not None]
+
+
+def test_expressions_fit_and_compare():
+    s0, s1 = Expr.symbol(0, 2), Expr.symbol(1, 2)
+    e = 128 * s0 * s1 + 2 * s1 * s1 + 3
+    grids = [[4, 5, 6], [7, 8, 9]]
+    points = [(a, b) for a in grids[0] for b in grids[1]]
+    assert fit(points, [e.eval(p) for p in points], grids) == e
+    assert fit([(a,) for a in (2, 3, 4)], [1, 2, 4], [[2, 3, 4]]) is None  # 2**x/2 has no integer fit
+    assert max(s0, 1) is s0 and s0 >= 1 and s0 * 64 + 1 > s0 and (s0 - s0) == 0
+    with pytest.raises(Undecided):
+        positive(s0 - 8)
+
+
+def test_a_batch_stream_compiles_twice_and_stays_exact():
+    model = lesson()
+    compiled = braze.compile(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [32, 100, *SIZES, *(int(torch.randint(1, 257, (), generator=gen)) for _ in range(20))]
+    calls(compiled, model, [(torch.randn(b, 64),) for b in batches])
+    assert len(compiled.compilations) == 2, [c.why for c in compiled.compilations]
+    assert "generic in s0 = argument 0 dim 0 (>= 1)" in compiled.compilations[1].why
+    (prog,) = generic(compiled)
+    assert prog.native and prog.kernel_count == 2 and not prog.externs
+    assert type(compiled).__call__ is prog.entry, "the generic program's native entry serves every batch"
+
+
+def test_dynamic_true_is_generic_from_the_first_call_and_false_never():
+    model = lesson()
+    always, never = braze.compile(model, dynamic=True), braze.compile(model, dynamic=False)
+    calls(always, model, [(torch.randn(b, 64),) for b in (5, 9, 40)])
+    calls(never, model, [(torch.randn(b, 64),) for b in (5, 9, 40)])
+    assert len(always.compilations) == 1 and generic(always)
+    assert len(never.compilations) == 3 and not generic(never)
+
+
+class Block(nn.Module):
+    """A transformer-style block on [batch, seq, hidden]: linears on the rows, broadcasting,
+    a batched matmul, concatenation, exp (MKL's vector math), scratch values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.scale = nn.Parameter(torch.randn(16))
+
+    def forward(self, x, y):
+        h = torch.relu(self.up(x)) * 0.5
+        h = self.down(h) + y * self.scale
+        scores = torch.bmm(h, h.transpose(1, 2))
+        return torch.cat([torch.exp(h), h - 1.0], dim=1), scores
+
+
+def test_two_symbols_with_a_relation_between_arguments():
+    model = Block().eval()
+    compiled = braze.compile(model)
+    shapes = [(2, 8), (3, 5), (4, 9), (1, 1), (5, 33), (2, 17), (3, 7)]
+    calls(compiled, model, [(torch.randn(b, s, 16), torch.randn(b, s, 16)) for b, s in shapes])
+    assert len(compiled.compilations) <= 3, [c.why for c in compiled.compilations]
+    (prog,) = generic(compiled)
+    assert len(prog.family.lo) == 2 and prog.native
+    # x and y share both symbols: a call whose sizes disagree fails as eager's does
+    x, y = torch.randn(3, 8, 16), torch.randn(3, 9, 16)
+    with pytest.raises(RuntimeError) as eager_error:
+        model(x, y)
+    with pytest.raises(RuntimeError) as braze_error, torch.no_grad():
+        compiled(x, y)
+    assert str(braze_error.value) == str(eager_error.value)
+
+
+def test_layouts_outside_the_family_compile_for_themselves():
+    model = lesson()
+    compiled = braze.compile(model)
+    xs = [torch.randn(4, 64), torch.randn(8, 64), torch.randn(64, 12).t(), torch.randn(0, 64), torch.randn(6, 64)]
+    calls(compiled, model, [(x,) for x in xs])
+    assert len(compiled.compilations) == 4  # first, generic, transposed, empty; the last is covered
+
+
+def test_sizes_used_as_numbers_keep_programs_specialised():
+    def fn(x):
+        return x * x.shape[0]  # a size becomes a float operand: no polynomial of the batch
+
+    compiled = braze.compile(fn)
+    calls(compiled, fn, [(torch.randn(b, 3),) for b in (2, 5, 9)])
+    assert not generic(compiled)
+    assert "compiled for these sizes only" in compiled.compilations[1].why
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_loops_split_between_threads_where_eager_does(threads):
+    def fn(x):
+        return torch.relu(x * 2.0 + 1.0) - x
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = braze.compile(fn)
+        # around the 32768-element threshold, and odd sizes: vector body and scalar tail
+        calls(compiled, fn, [(torch.randn(b, 64),) for b in (3, 5, 511, 512, 513, 1000, 17, 1)])
+        assert generic(compiled)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_concurrent_calls_of_other_sizes():
+    model = Block().eval()
+    compiled = braze.compile(model)
+    calls(compiled, model, [(torch.randn(2, 5, 16), torch.randn(2, 5, 16)), (torch.randn(3, 7, 16),) * 2])
+    compiled_before = len(compiled.compilations)
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _ in range(30):
+                b, s = int(torch.randint(2, 6, (), generator=gen)), int(torch.randint(5, 40, (), generator=gen))
+                x, y = torch.randn(b, s, 16, generator=gen), torch.randn(b, s, 16, generator=gen)
+                got, want = compiled(x, y), model(x, y)
+                if not all(torch.equal(g, w) for g, w in zip(got, want)):
+                    errors.append(f"sizes {b}x{s}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(compiled.compilations) == compiled_before == 2 and len(generic(compiled)) == 1
+
+
+def test_explain_names_the_symbols():
+    model = lesson()
+    compiled = braze.compile(model)
+    calls(compiled, model, [(torch.randn(b, 64),) for b in (4, 8)])
+    report = braze.explain(compiled, torch.randn(4, 64))
+    assert "generic in s0 = argument 0 dim 0" in report.sections["compilations of this wrapper"]
