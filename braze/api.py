@@ -31,7 +31,7 @@ from . import capture, config, debug, entry, jit
 from .dims import Undecided
 from .ir import contiguous_strides
 from .lowering import Unsupported, lower
-from .lowering.generic import Family, NotGeneric, Place, lower_generic, varying
+from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
 from .passes import run_passes
 from .runtime import Guard, Program
 
@@ -261,7 +261,9 @@ def _size_change(old: tuple | None, new: tuple, n_args: int) -> set[Place]:
 def _family_key(key: tuple, family: Family) -> tuple:
     """A signature with the family's dimensions (and its tensors' strides, contiguous) left out."""
     out = list(key)
-    for i in {i for places in family.places for i, _ in places}:
+    for i in {i for places in family.places for i, d in places if d < 0}:
+        out[i] = (int, None)
+    for i in {i for places in family.places for i, d in places if d >= 0}:
         shape, _, *rest = key[i]
         free = {d for places in family.places for j, d in places if j == i}
         out[i] = (tuple(-1 if d in free else n for d, n in enumerate(shape)), None, *rest)
@@ -311,6 +313,7 @@ class CompiledFunction:
         self.dynamic = dynamic  # see braze.compile
         self._generic: list[Program] = []  # shape-generic programs, newest last
         self._not_generic: set[tuple] = set()  # family keys (see _family_key) that did not fit
+        self.symbolic: list[tuple[Place, ...]] = []  # a TorchDynamo graph's symbolic sizes (backend.py)
         self.cache_size = config.cache_size if cache_size is None else cache_size
         self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._captured: capture.Captured | None = None
@@ -446,6 +449,8 @@ class CompiledFunction:
         may change (not those a weight fixes)."""
         if self.dynamic is False:
             return [], []
+        if self.symbolic:  # TorchDynamo's graph says where its symbolic sizes are
+            return [list(ps) for ps in self.symbolic], [tuple(size_at(args, ps[0]) for ps in self.symbolic)]
         if self.dynamic:
             candidates = [(i, d) for i, a in enumerate(args) if _contiguous(a) for d in range(a.dim())]
             old, changed = key, set(varying(self._captured, args, candidates))
@@ -657,10 +662,11 @@ def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] 
         @exact
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             sub = braze_backend(gm, example_inputs)
+            sub.dynamic = wrapper.dynamic
             wrapper._subgraphs.append(sub)
             return sub
 
-        compiled = torch.compile(wrapper.fn, backend=backend, dynamic=False)
+        compiled = torch.compile(wrapper.fn, backend=backend, dynamic=wrapper.dynamic)
     except Exception as e:  # dynamo unavailable on this platform/Python
         wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
         return None

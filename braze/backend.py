@@ -121,4 +121,23 @@ def braze_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callab
     """A TorchDynamo backend: returns a braze wrapper of `gm` (compiled on its first call)."""
     wrapper = CompiledFunction(gm)
     wrapper.use_capture(from_graph_module(gm))
+    wrapper.symbolic = symbolic_places(gm)
     return wrapper
+
+
+def symbolic_places(gm: torch.fx.GraphModule) -> list[tuple[tuple[int, int], ...]]:
+    """Where each of a TorchDynamo graph's symbolic sizes comes in: the int placeholders it
+    passes them as, (position, -1), and the tensor dimensions of that size, (position, dim).
+    A program compiled for the graph is then generic in them (see lowering/generic.py)."""
+    places: dict[str, list[tuple[int, int]]] = {}
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(inputs):
+        value = node.meta.get("example_value")
+        sizes = [(-1, value)] if isinstance(value, torch.SymInt) else []
+        if isinstance(value, torch.Tensor):
+            sizes = list(enumerate(value.shape))
+        for d, size in sizes:
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol:
+                places.setdefault(str(expr), []).append((i, d))
+    return [tuple(p) for p in places.values()]

@@ -98,6 +98,7 @@ class EntrySpec:
     n_slots: int
     release_gil: bool  # around the kernels: other Python threads run meanwhile
     symbols: tuple[tuple[int, int], ...] = ()  # (slot, smallest value) of a generic program's symbols
+    int_symbols: tuple[tuple[int, int], ...] = ()  # (position, slot): int arguments that are symbols
 
 
 def ref(slot: int) -> int:
@@ -113,7 +114,7 @@ def ref(slot: int) -> int:
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
-    "n_tensors tensors n_symbols symbols dims "
+    "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
@@ -122,6 +123,7 @@ MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 g
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo")
+INT_SYMBOL_WORDS = ("pos", "slot")
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 
 
@@ -156,6 +158,10 @@ class Descriptor:
         self.set("mkl_threads", spec.mkl_threads)
         self.set("n_args", spec.n_args)
         self._set_array("symbols", "n_symbols", [w for sym in spec.symbols for w in sym], len(spec.symbols))
+        self._set_array(
+            "int_symbols", "n_int_symbols", [w for sym in spec.int_symbols for w in sym], len(spec.int_symbols)
+        )
+        self.set_object("int_type", int)
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
@@ -380,6 +386,8 @@ class _Runtime:
             b.store(I64(UNBOUND), self.item(b, table, sym("slot")))
         with counted_loop(b, I64(0), f("n_tensors")) as i:
             self._check_layout(b, d, args, i, table, require)
+        with counted_loop(b, I64(0), f("n_int_symbols")) as i:
+            self._bind_int(b, d, args, i, table, require)
         with counted_loop(b, I64(0), f("n_symbols")) as i:
             sym = self.record(b, d, "symbols", i, SYMBOL_WORDS)
             require(b.icmp_signed(">=", b.load(self.item(b, table, sym("slot")), typ=I64), sym("lo")))
@@ -399,6 +407,29 @@ class _Runtime:
         b.position_at_end(miss)
         b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
         b.ret(b.call(self.vectorcall, [f("on_miss", PTR), args, nargs, kwnames]))
+
+    def _bind_int(
+        self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, table: ll.Value, require: Callable | None
+    ) -> None:
+        """Int argument i of a generic program (a TorchDynamo graph's symbolic size): an int
+        (checked, unless `require` is None) whose value binds its symbol or equals the value bound."""
+        sym = self.record(b, d, "int_symbols", i, INT_SYMBOL_WORDS)
+        obj = b.load(self.item(b, args, sym("pos")), typ=PTR)
+        if require is not None:
+            ob_type = b.load(b.gep(obj, [I64(8)], source_etype=I8), typ=PTR)
+            require(b.icmp_unsigned("==", ob_type, self.field(b, d, "int_type", PTR)))
+        value = b.call(self.mb.declare("PyLong_AsLongLong", I64, [PTR]), [obj])
+        self._bind(b, self.item(b, table, sym("slot")), value, require)
+
+    def _bind(self, b: ll.IRBuilder, bound: ll.Value, value: ll.Value, require: Callable | None) -> None:
+        """Store `value` as a symbol's (the first place that names it), or require it equal to
+        the value stored; unchecked (require None), store it."""
+        if require is None:
+            b.store(value, bound)
+            return
+        before = b.load(bound, typ=I64)
+        b.store(b.select(b.icmp_signed("==", before, I64(UNBOUND)), value, before), bound)
+        require(b.icmp_signed("==", value, b.load(bound, typ=I64)))
 
     def resolve(self, b: ll.IRBuilder, table: ll.Value, word: ll.Value) -> ll.Value:
         """A size or stride word's value: itself, or the table's value that it refers to (ref)."""
@@ -503,8 +534,12 @@ class _Runtime:
                 size, word = self.word(b, have, k), self.word(b, want, k)
                 with b.if_then(b.icmp_signed("<", word, I64(0))):  # a symbol: bind it
                     bound = self.item(b, table, b.sub(I64(-1), word))
-                    before = b.load(bound, typ=I64)
-                    b.store(b.select(b.icmp_signed("==", before, I64(UNBOUND)), size, before), bound)
+                    b.store(
+                        b.select(
+                            b.icmp_signed("==", b.load(bound, typ=I64), I64(UNBOUND)), size, b.load(bound, typ=I64)
+                        ),
+                        bound,
+                    )
                 require(b.icmp_signed("==", size, self.resolve(b, table, word)))
 
     def _check_tensor(
@@ -563,6 +598,8 @@ class _Runtime:
                     word = self.word(b, want, i)
                     with b.if_then(b.icmp_signed("<", word, I64(0))):
                         b.store(self.word(b, have, i), self.item(b, table, b.sub(I64(-1), word)))
+        with counted_loop(b, I64(0), self.field(b, d, "n_int_symbols")) as i:
+            self._bind_int(b, d, args, i, table, None)
         self._dims(b, d, table)
         b.ret(b.call(run, [d, table]))
 

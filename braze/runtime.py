@@ -118,14 +118,26 @@ class Workspace:
     """Per-thread state of a Python body: the slot table and the scratch buffers."""
 
     def __init__(self, prog: Program) -> None:
-        n = max(len(prog.layout.slot), 1)
+        n = max(len(prog.layout.slot) + len(prog.symbol_slots), 1)
         self.table = (ctypes.c_void_p * n)()
         self.addr = ctypes.addressof(self.table)
+        if prog.family is not None:  # sizes change per call: see buffer()
+            self.scratch: dict[int, torch.Tensor] = {}
+            self.view: dict[str, torch.Tensor] = {}
+            return
         self.scratch = _scratch_buffers(prog.layout)
         for b, t in self.scratch.items():
             self.table[prog.layout.tmp_slot[b]] = t.data_ptr()
         # Tensor views of scratch values that EXTERN ops or outputs need, made once.
         self.view = {name: self._tensor(prog, name) for name in prog.scratch_views}
+
+    def buffer(self, k: int, nbytes: int, slot: int) -> torch.Tensor:
+        """A generic program's scratch buffer k, grown to hold nbytes, its address in the table."""
+        t = self.scratch.get(k)
+        if t is None or t.numel() * 4 < nbytes:
+            t = self.scratch[k] = torch.empty(max(-(-nbytes // 4), 1), dtype=torch.float32)
+        self.table[slot] = t.data_ptr()
+        return t
 
     def _tensor(self, prog: Program, name: str) -> torch.Tensor:
         node = prog.nodes[name]
@@ -176,8 +188,8 @@ class Program:
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
         self.native = not self.externs and _native_outputs(lowered, fresh)
-        if family is not None and not self.native:
-            raise NotGeneric("it makes ATen calls (only native programs are shape-generic yet)")
+        if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
+            raise NotGeneric("it returns a size as a number")
         self.reads = _native_reads(self)  # owners of the memory native code works on
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self.blas_clock: tuple[Any, Any] | None = None  # see config.blas_clock
@@ -267,10 +279,15 @@ class Program:
         outputs = tuple((slot[o], self._words(self.alloc[o])) for o in outs)
         scratch = tuple((self.layout.tmp_slot[b], self.word(nb)) for b, nb in self.layout.scratch_bytes.items())
         lo = self.family.lo if self.family is not None else ()
+        places = self.family.places if self.family is not None else ()
+        int_symbols = tuple((i, self.symbol_slots[j]) for j, ps in enumerate(places) for i, d in ps if d < 0)
+        symbolic = {i for i, _ in int_symbols}
         return entry.EntrySpec(
             n_args=lowered.n_args,
             tensors=tuple(tensors),
-            const_args=tuple((i, a) for i, a in enumerate(guard.args) if not isinstance(a, torch.Tensor)),
+            const_args=tuple(
+                (i, a) for i, a in enumerate(guard.args) if not isinstance(a, torch.Tensor) and i not in symbolic
+            ),
             modules=guard.modules,
             epoch=guard.epoch,
             epoch_value=guard.epoch_value,
@@ -282,6 +299,7 @@ class Program:
             n_slots=max(len(slot) + len(self.symbol_slots) + len(self.derived), 1),
             release_gil=self._flops() >= config.release_gil_flops,
             symbols=tuple(zip(self.symbol_slots, lo)),
+            int_symbols=int_symbols,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -362,6 +380,7 @@ class Program:
         ns["_spec"] = lowered.out_spec
         ns["_unflatten"] = pytree.tree_unflatten
         ns["_relaid"] = _relaid
+        ns["_u8"] = torch.uint8
         ns["_stale"] = self._went_stale
         return ns
 
@@ -441,9 +460,17 @@ class _RunnerWriter:
             return self.expr[name]
         prog = self.prog
         owner = prog.layout.owner[name]
-        if isinstance(prog.nodes[owner].attrs["store"], tuple):
+        store = prog.nodes[owner].attrs["store"]
+        if isinstance(store, tuple) and prog.family is None:
             prog.scratch_views.append(name)
             return f"ws.view[{name!r}]"
+        if isinstance(store, tuple):  # a generic program's scratch: viewed per call
+            m, dtype = prog.nodes[name].meta, self.const(prog.nodes[name].meta.dtype)
+            rel = m.offset - prog.nodes[owner].meta.offset
+            raw = f"_b{store[1]}" if m.dtype == torch.float32 else f"_b{store[1]}.view(_u8).view({dtype})"
+            self.lines.append(f"    {name} = {raw}.as_strided({m.shape}, {m.stride}, {rel})")
+            self.expr[name] = name
+            return name
         var, meta = self.base[owner]
         m = prog.nodes[name].meta
         if (m.shape, m.stride, m.offset) == (meta.shape, meta.stride, meta.offset):
@@ -462,6 +489,7 @@ class _RunnerWriter:
         slot = prog.layout.slot
         self.lines += ["    try:", "        ws = _local.ws", "    except AttributeError:", "        ws = _ws()"]
         self.lines.append("    t = ws.table")
+        self._symbols()
         for n in g.nodes:
             if n.op is Op.INPUT:
                 self._own(n.name, f"a{n.attrs['index']}", n.meta)
@@ -478,6 +506,18 @@ class _RunnerWriter:
                 self._extern(n)
         self.lines.append(f"    return {self._outputs()}")
         return "\n".join([f"def body({self.args}):", *_free_dead(self.lines)]) + "\n"
+
+    def _symbols(self) -> None:
+        """A generic program's symbols, read from the arguments, into s0, s1, ... and the table;
+        its scratch buffers, sized for them."""
+        prog = self.prog
+        if prog.family is None:
+            return
+        for j, ((i, d), *_) in enumerate(prog.family.places):
+            self.lines.append(f"    s{j} = a{i}" + (f".shape[{d}]" if d >= 0 else ""))
+            self.lines.append(f"    t[{prog.symbol_slots[j]}] = s{j}")
+        for b, nbytes in prog.layout.scratch_bytes.items():
+            self.lines.append(f"    _b{b} = ws.buffer({b}, {nbytes}, {prog.layout.tmp_slot[b]})")
 
     def _segment(self, i: int) -> None:
         """Allocate the outputs segment i writes (as late as this, so ATen's allocations before
@@ -504,6 +544,8 @@ class _RunnerWriter:
             return f"slice({self._py(x.start)}, {self._py(x.stop)}, {self._py(x.step)})"
         if x is None or isinstance(x, (bool, int, str)):
             return repr(x)
+        if isinstance(x, Expr):
+            return f"({x!r})"
         return self.const(x)
 
     def _extern(self, n: Node) -> None:

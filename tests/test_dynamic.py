@@ -167,3 +167,31 @@ def test_explain_names_the_symbols():
     calls(compiled, model, [(torch.randn(b, 64),) for b in (4, 8)])
     report = braze.explain(compiled, torch.randn(4, 64))
     assert "generic in s0 = argument 0 dim 0" in report.sections["compilations of this wrapper"]
+
+
+class KeywordBlock(nn.Module):
+    """A forward of **kwargs (TorchDynamo captures it) with native GEMMs and ATen calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x, **kwargs):
+        h = self.norm(torch.relu(self.fc(x)) + x)
+        return torch.softmax(h.view(h.shape[0], -1, 4), dim=-1) * 2.0
+
+
+def test_torchdynamo_symbolic_sizes_make_one_generic_program():
+    model = KeywordBlock().eval()
+    compiled = braze.compile(model)
+    shapes = [(2, 8), (3, 5), (4, 9), (5, 33), (2, 17), (3, 7), (6, 2)]
+    with torch.no_grad():
+        for b, s in shapes:
+            x = torch.randn(b, s, 16)
+            assert_same(compiled(x, scale=1), model(x, scale=1))
+    programs = [p for sub in compiled._subgraphs for p in sub.programs()]
+    (prog,) = [p for p in programs if p.family is not None]
+    assert prog.externs and prog.kernel_count >= 1, "ATen calls and native kernels in one generic program"
+    assert len(prog.family.lo) == 2  # batch and sequence, as TorchDynamo's symbols
+    assert sum(len(sub.compilations) for sub in compiled._subgraphs) == 2  # the first graph, then the generic one

@@ -28,8 +28,14 @@ from ..ir import Graph, Node, Op, TensorMeta
 from .core import Lowered, Sym, lower
 from .gemm import one_thread_sizes
 
-# Where a symbol is read: (argument position, dimension).
+# Where a symbol is read: (argument position, dimension), or (position, -1) for an int argument
+# (TorchDynamo passes its symbolic sizes to a graph as ints).
 Place = tuple[int, int]
+
+
+def size_at(args: Sequence[Any], place: Place) -> Any:
+    i, d = place
+    return args[i] if d < 0 else args[i].shape[d]
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,12 @@ class Family:
         """Each symbol's value in a call, or None if the call is outside the family (a symbol
         below its bound, or two places of one symbol differing)."""
         out = []
-        if not all(args[i].is_contiguous() for places in self.places for i, _ in places):
+        tensors = {i for places in self.places for i, d in places if d >= 0}
+        if not all(isinstance(args[i], torch.Tensor) and args[i].is_contiguous() for i in tensors):
             return None
         for places, lo in zip(self.places, self.lo):
-            sizes = {args[i].shape[d] for i, d in places}
-            if len(sizes) != 1 or min(sizes) < lo:
+            sizes = {size_at(args, p) for p in places}
+            if len(sizes) != 1 or type(min(sizes)) is not int or min(sizes) < lo:
                 return None
             out.append(sizes.pop())
         return tuple(out)
@@ -64,7 +71,7 @@ def lower_generic(
     `places` (one list per symbol); `seen` lists the values of the symbols in calls so far (one
     tuple per call). Raises NotGeneric with the reason when no polynomial family fits."""
     n = len(places)
-    if not all(args[i].is_contiguous() for ps in places for i, _ in ps):
+    if not all(args[i].is_contiguous() for ps in places for i, d in ps if d >= 0):
         raise NotGeneric("an argument of changing size is not contiguous")
     starts = [max(min(p[j] for p in seen), 2) for j in range(n)]
     grids = [list(range(start, start + dims.DEGREE + 1)) for start in starts]
@@ -134,7 +141,7 @@ def varying(captured: Captured, args: tuple[Any, ...], places: Sequence[Place]) 
     out = []
     for i, d in places:
         try:
-            point_lowering(captured, args, [[(i, d)]], [args[i].shape[d] + 1])
+            point_lowering(captured, args, [[(i, d)]], [size_at(args, (i, d)) + 1])
         except Exception:
             continue
         out.append((i, d))
@@ -149,7 +156,9 @@ def point_lowering(
     for j, ps in enumerate(places):
         for i, d in ps:
             want.setdefault(i, {})[d] = point[j]
-    resized = tuple(_resized(a, want[i]) if i in want else a for i, a in enumerate(args))
+    resized = tuple(
+        a if i not in want else want[i][-1] if -1 in want[i] else _resized(a, want[i]) for i, a in enumerate(args)
+    )
     # Whether a small GEMM runs on one thread is probed per shape: a generic program's GEMMs run
     # on MKL's thread count, as eager's do.
     with config.patch(one_thread_gemm_flops=0):
