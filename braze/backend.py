@@ -99,9 +99,15 @@ def prepare_dynamo() -> None:
     from torch._dynamo.variables.tensor import TensorVariable
     from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
 
+    # torch 2.14 dispatches tensor methods through a table built with the class (tp_methods),
+    # 2.13 by looking the method up: decline in both.
+    table = getattr(TensorVariable, "tp_methods", {})
     for name in _TENSOR_METHODS:
         if name in vars(TensorVariable):
             setattr(TensorVariable, name, _declining(getattr(TensorVariable, name)))
+        method = table.get(name.removeprefix("method_"))
+        if method is not None and hasattr(method, "handler"):
+            method.handler = _declining(method.handler)
     handlers = TorchInGraphFunctionVariable._get_handlers()
     for name in _TORCH_FUNCTIONS:
         fn = getattr(torch, name, None)
