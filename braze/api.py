@@ -31,7 +31,7 @@ from . import capture, config, debug, entry, jit
 from .dims import Undecided
 from .ir import contiguous_strides
 from .lowering import Unsupported, lower
-from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
+from .lowering.generic import NO_LIMIT, Family, NotGeneric, Place, lower_generic, size_at, varying
 from .passes import run_passes
 from .runtime import Guard, Program
 
@@ -274,9 +274,9 @@ def _generic_note(prog: Program) -> str:
     if prog.family is None:
         return ""
     parts = []
-    for j, (places, lo) in enumerate(zip(prog.family.places, prog.family.lo)):
-        where = ", ".join(f"argument {i} dim {d}" for i, d in places)
-        parts.append(f"s{j} = {where} (>= {lo})")
+    for j, (places, lo, hi) in enumerate(zip(prog.family.places, prog.family.lo, prog.family.hi)):
+        where = ", ".join(f"argument {i}" + (f" dim {d}" if d >= 0 else "") for i, d in places)
+        parts.append(f"s{j} = {where} " + (f"(>= {lo})" if hi == NO_LIMIT else f"({lo} to {hi})"))
     return "; generic in " + "; ".join(parts)
 
 
@@ -449,8 +449,15 @@ class CompiledFunction:
         may change (not those a weight fixes)."""
         if self.dynamic is False:
             return [], []
-        if self.symbolic:  # TorchDynamo's graph says where its symbolic sizes are
-            return [list(ps) for ps in self.symbolic], [tuple(size_at(args, ps[0]) for ps in self.symbolic)]
+        if self.symbolic:
+            # TorchDynamo's graph says where its symbolic sizes are. Symbols of equal value are
+            # taken as one (an attention mask's batch and its input's: TorchDynamo keeps them
+            # apart, and lowering at sizes where they differ fails); a call where they differ
+            # then misses and compiles for its own.
+            merged: dict[int, list[Place]] = {}
+            for ps in self.symbolic:
+                merged.setdefault(size_at(args, ps[0]), []).extend(ps)
+            return list(merged.values()), [tuple(merged)]
         if self.dynamic:
             candidates = [(i, d) for i, a in enumerate(args) if _contiguous(a) for d in range(a.dim())]
             old, changed = key, set(varying(self._captured, args, candidates))

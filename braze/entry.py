@@ -97,7 +97,7 @@ class EntrySpec:
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes as a word) of buffers kept across calls
     n_slots: int
     release_gil: bool  # around the kernels: other Python threads run meanwhile
-    symbols: tuple[tuple[int, int], ...] = ()  # (slot, smallest value) of a generic program's symbols
+    symbols: tuple[tuple[int, int, int], ...] = ()  # (slot, smallest, largest value): a generic program's
     int_symbols: tuple[tuple[int, int], ...] = ()  # (position, slot): int arguments that are symbols
 
 
@@ -122,7 +122,7 @@ TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes"
 MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "bytes")
-SYMBOL_WORDS = ("slot", "lo")
+SYMBOL_WORDS = ("slot", "lo", "hi")
 INT_SYMBOL_WORDS = ("pos", "slot")
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 
@@ -390,7 +390,8 @@ class _Runtime:
             self._bind_int(b, d, args, i, table, require)
         with counted_loop(b, I64(0), f("n_symbols")) as i:
             sym = self.record(b, d, "symbols", i, SYMBOL_WORDS)
-            require(b.icmp_signed(">=", b.load(self.item(b, table, sym("slot")), typ=I64), sym("lo")))
+            value = b.load(self.item(b, table, sym("slot")), typ=I64)
+            require(b.and_(b.icmp_signed(">=", value, sym("lo")), b.icmp_signed("<=", value, sym("hi"))))
         self._dims(b, d, table)
         with counted_loop(b, I64(0), f("n_tensors")) as i:
             self._check_tensor(b, d, args, i, table, grad_mode, require)

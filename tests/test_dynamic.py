@@ -195,3 +195,30 @@ def test_torchdynamo_symbolic_sizes_make_one_generic_program():
     assert prog.externs and prog.kernel_count >= 1, "ATen calls and native kernels in one generic program"
     assert len(prog.family.lo) == 2  # batch and sequence, as TorchDynamo's symbols
     assert sum(len(sub.compilations) for sub in compiled._subgraphs) == 2  # the first graph, then the generic one
+
+
+class Positions(nn.Module):
+    """Adds a fixed table of 16 positions, sliced to the input's length (as BERT's position ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("table", torch.randn(16, 8))
+
+    def forward(self, x):
+        return torch.relu(x + self.table[: x.shape[1]])
+
+
+def test_a_view_of_a_fixed_buffer_bounds_the_family():
+    model = Positions()
+    compiled = braze.compile(model)
+    calls(compiled, model, [(torch.randn(2, s, 8),) for s in (5, 9, 16, 3, 1)])
+    (prog,) = generic(compiled)  # through TorchDynamo: FX cannot slice by a traced size
+    whys = [c.why for sub in compiled._subgraphs for c in sub.compilations]
+    assert prog.family.hi == (16,) and len(whys) == 3, whys  # 5, then generic, then TorchDynamo's own 1
+    x = torch.randn(2, 20, 8)  # past the table: eager's slice stops at 16, and the add fails
+    with pytest.raises(RuntimeError) as eager_error:
+        model(x)
+    with pytest.raises(RuntimeError) as braze_error, torch.no_grad():
+        compiled(x)
+    assert str(braze_error.value) == str(eager_error.value)

@@ -44,6 +44,8 @@ class Family:
 
     places: tuple[tuple[Place, ...], ...]  # per symbol, every argument dimension that holds it
     lo: tuple[int, ...]
+    hi: tuple[int, ...] = ()  # the largest value of each symbol (a view of a fixed buffer: BERT's
+    # position ids sliced to the sequence length), NO_LIMIT where none
 
     def values(self, args: Sequence[Any]) -> tuple[int, ...] | None:
         """Each symbol's value in a call, or None if the call is outside the family (a symbol
@@ -52,9 +54,9 @@ class Family:
         tensors = {i for places in self.places for i, d in places if d >= 0}
         if not all(isinstance(args[i], torch.Tensor) and args[i].is_contiguous() for i in tensors):
             return None
-        for places, lo in zip(self.places, self.lo):
+        for places, lo, hi in zip(self.places, self.lo, self.hi or (NO_LIMIT,) * len(self.lo)):
             sizes = {size_at(args, p) for p in places}
-            if len(sizes) != 1 or type(min(sizes)) is not int or min(sizes) < lo:
+            if len(sizes) != 1 or type(min(sizes)) is not int or not lo <= min(sizes) <= hi:
                 return None
             out.append(sizes.pop())
         return tuple(out)
@@ -115,7 +117,41 @@ def lower_generic(
     for node in generic.graph.nodes:
         if node.op is Op.GEMM:
             node.attrs["one_thread_sizes"] = one_thread_sizes(node.attrs["blas"], node.attrs["beta"], tuple(lo))
-    return generic, Family(tuple(tuple(p) for p in places), tuple(lo))
+    return generic, Family(tuple(tuple(p) for p in places), tuple(lo), _largest(generic.graph, lo))
+
+
+NO_LIMIT = 2**62
+
+
+def _largest(graph: Graph, lo: list[int]) -> tuple[int, ...]:
+    """Each symbol's largest value: where a view grows with it over a base that does not (a
+    slice of a fixed buffer), up to the base's end. (Beyond it, eager's slice would stop at the
+    end, or the view would be an error: the family does not reach there.)"""
+    hi = [NO_LIMIT] * len(lo)
+    spans = {n.name: n.meta.span for n in graph.nodes if n.meta is not None}
+    for n in graph.nodes:
+        if n.op is not Op.VIEW:
+            continue
+        room = spans[n.inputs[0]] - n.meta.span  # must stay >= 0
+        try:
+            if dims.positive(room + 1):
+                continue
+            raise NotGeneric(f"view {n.name} reaches past its base at every size")
+        except Undecided:
+            pass
+        symbols = room.symbols()
+        if len(symbols) != 1:
+            raise NotGeneric(f"view {n.name}'s extent over its base depends on several sizes")
+        j = symbols.pop()
+        at = lambda v, j=j: [v if k == j else lo[k] for k in range(len(lo))]  # noqa: E731
+        good, bad = lo[j], NO_LIMIT
+        if dims.value(room, at(good)) < 0:
+            raise NotGeneric(f"view {n.name} reaches past its base at the smallest size")
+        while bad - good > 1:  # the room shrinks as the symbol grows
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if dims.value(room, at(mid)) >= 0 else (good, mid)
+        hi[j] = min(hi[j], good)
+    return tuple(hi)
 
 
 LOWER_CHECKS = 8  # sizes below the fitted ones checked one by one for the family

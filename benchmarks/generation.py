@@ -1,0 +1,90 @@
+"""Generation figures (issue 16): greedy generate() with a braze-compiled forward against eager.
+
+    python benchmarks/generation.py            # needs transformers (pip install -e '.[bench]')
+
+For a GPT-2 and a Llama config (random weights, no downloads): one warm-up generate of 32 new
+tokens on a prompt of one length, then interleaved rounds of generate on a prompt of another
+length, braze and eager; the tokens of every generate torch.equal to eager's; the median ratio
+of eager's time to braze's per generate call; braze's compilations (the wrapper's and those of
+each TorchDynamo graph). Run with `dynamic` None (braze's default: generic after a size
+changes) and True (generic from the first call).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+
+import braze
+
+
+def _models() -> dict[str, torch.nn.Module]:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=2, n_head=2, vocab_size=1000, n_positions=256))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            intermediate_size=256,
+        )
+    )
+    return {"gpt2": gpt2.eval(), "llama": llama.eval()}
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    return out, time.perf_counter() - t0
+
+
+def run(name: str, model: torch.nn.Module, dynamic: bool | None, rounds: int = 9) -> dict:
+    torch._dynamo.reset()  # TorchDynamo's caches (and recompile counts) are per function, process-wide
+    eager = type(model)(model.config).eval()
+    eager.load_state_dict(model.state_dict())
+    compiled = braze.compile(model.forward, dynamic=dynamic)
+    model.forward = compiled
+    gen = torch.Generator().manual_seed(0)
+    warm, prompt = (torch.randint(0, 1000, (1, n), generator=gen) for n in (11, 16))
+    equal, ratios = True, []
+    with torch.no_grad():
+        first = _generate(model, warm)
+        equal &= torch.equal(first[0], _generate(eager, warm)[0])
+        second = _generate(model, prompt)[1]  # the first call at the new prompt length
+        for i in range(rounds):
+            if i % 2:
+                a, tb = _generate(model, prompt)
+                b, te = _generate(eager, prompt)
+            else:
+                b, te = _generate(eager, prompt)
+                a, tb = _generate(model, prompt)
+            equal &= torch.equal(a, b)
+            ratios.append(te / tb)
+    del model.forward
+    n = len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+    print(
+        f"{name} (dynamic={dynamic}): tokens torch.equal to eager: {equal}; {n} braze compilations in "
+        f"{len(compiled._subgraphs)} TorchDynamo graphs; warm-up generate {first[1]:.2f} s, then at the "
+        f"new prompt length {second * 1e3:.0f} ms; steady: {statistics.median(ratios):.2f}x eager "
+        f"(median of {rounds} interleaved generate calls)"
+    )
+    return {"equal": equal, "compilations": n, "speedup": statistics.median(ratios)}
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    warnings.simplefilter("always", braze.BrazeWarning)
+    for dynamic in (None, True):
+        for name, model in _models().items():
+            run(name, model, dynamic)
+
+
+if __name__ == "__main__":
+    main()

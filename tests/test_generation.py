@@ -1,0 +1,58 @@
+"""Hugging Face models called as their users call them (needs transformers, a dev dependency):
+keyword calls, **kwargs forwards and greedy generation with a KV cache, whose decode step
+changes shape every step: compiled a bounded number of times, the tokens eager's."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import braze
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_greedy_generate_matches_eager_with_bounded_compilations():
+    model, eager = tiny_gpt2(), tiny_gpt2()
+    compiled = braze.compile(model.forward)
+    model.forward = compiled
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", braze.BrazeWarning)  # nothing may run eagerly
+        for length in (5, 9, 9):
+            ids = torch.randint(0, 100, (1, length), generator=gen)
+            want = eager.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want)
+    programs = [p for sub in compiled._subgraphs for p in sub.programs()]
+    assert any(p.family is not None for p in programs), "the growing cache is served by a generic program"
+    compilations = sum(len(sub.compilations) for sub in compiled._subgraphs)
+    assert compilations <= 4, [c.why for sub in compiled._subgraphs for c in sub.compilations]
+
+
+def test_bert_keyword_calls_of_many_sizes():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    model = transformers.BertModel(config).eval()
+    compiled = braze.compile(model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", braze.BrazeWarning)
+        for b, s in ((2, 7), (3, 12), (4, 9), (2, 33)):
+            ids = torch.randint(0, 100, (b, s), generator=gen)
+            mask = torch.ones(b, s, dtype=torch.long)
+            want = model(input_ids=ids, attention_mask=mask)
+            got = compiled(input_ids=ids, attention_mask=mask)
+            assert type(got) is type(want) and torch.equal(got.last_hidden_state, want.last_hidden_state)
+    whys = [c.why for sub in compiled._subgraphs for c in sub.compilations]
+    assert len(whys) <= 2, whys
