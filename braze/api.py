@@ -169,6 +169,7 @@ def build_program(
     epoch: Any = None,
     places: Sequence[Sequence[Place]] = (),
     seen: Sequence[Sequence[int]] = (),
+    names: tuple[str, ...] = (),
 ) -> Program:
     """Run the pipeline after capture for one argument signature (`epoch`: the wrapper's, which
     the program's guard checks); with `places` (each symbol's argument dimensions, whose values
@@ -190,7 +191,8 @@ def build_program(
     # Every parameter, also those only an ATen call reads (an nn.Module run unchanged): in grad
     # mode, one that requires grad means autograd, which needs eager (as on the slow path).
     params = tuple(captured.root.parameters())
-    prog = Program(lowered, graph, timings, Guard(args, tuple(flags.values()), params, epoch, epoch[0]), family)
+    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names)
+    prog = Program(lowered, graph, timings, guard, family)
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
@@ -365,6 +367,8 @@ class CompiledFunction:
     def _miss(self, args: tuple, kwargs: dict) -> Any:
         if kwargs:
             bound = self._bind(args, kwargs)
+            if bound is None and self._signature() is not None:
+                return self.fn(*args, **kwargs)  # a call its signature refuses: eager's TypeError
             if bound is None:  # **kwargs in forward (Hugging Face models): TorchDynamo binds them
                 if self._dynamo is None:
                     self._dynamo = _dynamo_fallback(self, "keyword arguments that cannot be bound positionally")
@@ -471,19 +475,35 @@ class CompiledFunction:
         return list(symbols.values()), [tuple(v[0] for v in symbols), tuple(v[1] for v in symbols)]
 
     # --- helpers -----------------------------------------------------------------------------
-    def _bind(self, args: tuple, kwargs: dict) -> tuple | None:
+    def _signature(self) -> inspect.Signature | None:
+        """forward's (or the function's) signature, where every parameter may be given by
+        position (None otherwise: **kwargs and the like go to TorchDynamo)."""
         target = self.fn.forward if self._module is not None else self.fn
         try:
-            bound = inspect.signature(target).bind(*args, **kwargs)
+            sig = inspect.signature(target)
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in sig.parameters.values()):
+            return None
+        return sig
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple | None:
+        sig = self._signature()
+        try:
+            bound = sig.bind(*args, **kwargs) if sig is not None else None
         except TypeError:
             return None
-        bound.apply_defaults()
-        if any(
-            p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY)
-            for p in inspect.signature(target).parameters.values()
-        ):
+        if bound is None:
             return None
+        bound.apply_defaults()
         return tuple(bound.arguments.values())
+
+    def _names(self) -> tuple[str, ...]:
+        """The parameters' names, for the native entry to place keyword arguments by."""
+        sig = self._signature()
+        if sig is None or any(p.kind is p.POSITIONAL_ONLY for p in sig.parameters.values()):
+            return ()
+        return tuple(sig.parameters)
 
     def _rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
         self._params = [new if p is old else p for p in self._params]
@@ -576,7 +596,7 @@ class CompiledFunction:
             prog = None
             if places:
                 try:
-                    prog = build_program(self._captured, args, self.epoch, places, seen)
+                    prog = build_program(self._captured, args, self.epoch, places, seen, self._names())
                 except (NotGeneric, Undecided) as e:
                     note = f"; compiled for these sizes only: {e}"
                     self._not_generic.add(_family_key(key, Family(tuple(map(tuple, places)), ())))
@@ -584,7 +604,7 @@ class CompiledFunction:
                     note = "; compiled for these sizes only: they are below the generic program's"
                     prog = None
             if prog is None:
-                prog = build_program(self._captured, args, self.epoch)
+                prog = build_program(self._captured, args, self.epoch, names=self._names())
         except Unsupported as e:
             self._say(str(e))
             return _EAGER

@@ -99,6 +99,7 @@ class EntrySpec:
     release_gil: bool  # around the kernels: other Python threads run meanwhile
     symbols: tuple[tuple[int, int, int], ...] = ()  # (slot, smallest, largest value): a generic program's
     int_symbols: tuple[tuple[int, int], ...] = ()  # (position, slot): int arguments that are symbols
+    names: tuple[str, ...] = ()  # the parameters' names, where keyword arguments may name them
 
 
 def ref(slot: int) -> int:
@@ -114,7 +115,7 @@ def ref(slot: int) -> int:
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
-    "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims "
+    "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
@@ -162,6 +163,7 @@ class Descriptor:
             "int_symbols", "n_int_symbols", [w for sym in spec.int_symbols for w in sym], len(spec.int_symbols)
         )
         self.set_object("int_type", int)
+        self._set_array("names", "n_names", [self._ref(sys.intern(n)) for n in spec.names])
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
@@ -376,7 +378,9 @@ class _Runtime:
             b.position_at_end(nxt)
 
         f = lambda name, ty=I64: self.field(b, d, name, ty)  # noqa: E731
-        require(b.and_(b.icmp_unsigned("==", kwnames, NULL), b.icmp_signed("==", nargs, f("n_args"))))
+        given = args  # the call's own arguments, which a miss passes on as they came
+        args = self._keywords(b, d, args, nargs, kwnames, require)
+        nargs = f("n_args")
         require(b.icmp_signed("==", b.load(f("epoch", PTR), typ=I64), f("epoch_value")))
         self._check_consts(b, d, args, require)
         self._check_dispatch_state(b, d, require)
@@ -407,7 +411,42 @@ class _Runtime:
         b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)
         b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
-        b.ret(b.call(self.vectorcall, [f("on_miss", PTR), args, nargs, kwnames]))
+        b.ret(b.call(self.vectorcall, [f("on_miss", PTR), given, fn.args[2], kwnames]))
+
+    def _keywords(
+        self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, nargs: ll.Value, kwnames: ll.Value, require: Callable
+    ) -> ll.Value:
+        """The call's arguments in positional order: keyword arguments that name parameters
+        (the descriptor's `names`, compared by identity: CPython interns the names a call site
+        writes) put in their places; every parameter given once, none left to a default (a call
+        that leaves one out takes the slow path, which fills in the defaults)."""
+        n_args = self.field(b, d, "n_args")
+        with b.goto_entry_block():
+            bound = b.alloca(PTR, size=self.field(b, d, "n_args"))
+        n_kw = self._alloca(b, I64)
+        b.store(I64(0), n_kw)
+        with b.if_then(b.icmp_unsigned("!=", kwnames, NULL)):
+            b.store(b.call(self.mb.declare("PyTuple_Size", I64, [PTR]), [kwnames]), n_kw)
+        keywords = b.load(n_kw, typ=I64)
+        require(b.icmp_signed("==", b.add(nargs, keywords), n_args))
+        names = self.field(b, d, "names", PTR)
+        with b.if_then(b.icmp_signed(">", keywords, I64(0))):
+            require(b.icmp_signed("==", self.field(b, d, "n_names"), n_args))
+            with counted_loop(b, I64(0), n_args) as k:
+                given = b.select(b.icmp_signed("<", k, nargs), b.load(self.item(b, args, k), typ=PTR), NULL)
+                b.store(given, self.item(b, bound, k))
+            with counted_loop(b, I64(0), keywords) as k:
+                name = b.call(self.mb.declare("PyTuple_GetItem", PTR, [PTR, I64]), [kwnames, k])
+                found = self._alloca(b, I64)
+                b.store(I64(-1), found)
+                with counted_loop(b, I64(0), n_args) as p:
+                    same = b.icmp_unsigned("==", self.word(b, names, p, PTR), name)
+                    b.store(b.select(same, p, b.load(found, typ=I64)), found)
+                at = b.load(found, typ=I64)
+                require(b.icmp_signed(">=", at, nargs))  # a parameter not given positionally (-1: none)
+                require(b.icmp_unsigned("==", b.load(self.item(b, bound, at), typ=PTR), NULL))
+                b.store(b.load(self.item(b, args, b.add(nargs, k)), typ=PTR), self.item(b, bound, at))
+        return b.select(b.icmp_signed(">", keywords, I64(0)), bound, args)
 
     def _bind_int(
         self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, table: ll.Value, require: Callable | None

@@ -300,6 +300,7 @@ class Program:
             release_gil=self._flops() >= config.release_gil_flops,
             symbols=tuple((slot, lo, hi) for slot, (lo, hi) in zip(self.symbol_slots, bounds)),
             int_symbols=int_symbols,
+            names=guard.names if len(guard.names) == lowered.n_args else (),
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -423,6 +424,7 @@ class Guard:
     params: tuple[torch.Tensor, ...]  # the model's parameters: none may require grad in grad mode
     epoch: Any  # the wrapper's module-change counter (a ctypes int64 cell, api.Epoch)
     epoch_value: int  # and its value now
+    names: tuple[str, ...] = ()  # the parameters' names, where a call may give them as keywords
 
 
 def _free_dead(lines: list[str]) -> list[str]:

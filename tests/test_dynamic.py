@@ -3,6 +3,7 @@ calls (braze.compile's `dynamic`), exact at every size, its guard binding and ch
 
 from __future__ import annotations
 
+import resource
 import threading
 
 import pytest
@@ -222,3 +223,19 @@ def test_a_view_of_a_fixed_buffer_bounds_the_family():
     with pytest.raises(RuntimeError) as braze_error, torch.no_grad():
         compiled(x)
     assert str(braze_error.value) == str(eager_error.value)
+
+
+def test_scratch_memory_grows_to_the_largest_call_and_is_kept():
+    model = lesson()
+    compiled = braze.compile(model)
+    calls(compiled, model, [(torch.randn(b, 64),) for b in (8, 16)])
+    (prog,) = generic(compiled)
+    words = prog._descriptor.words
+    capacity = braze.entry.W["capacity"]
+    calls(compiled, model, [(torch.randn(4096, 64),)])
+    grown = words[capacity]
+    assert grown >= 4096 * 64 * 4, "the first GEMM's output lives in scratch"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    calls(compiled, model, ((torch.randn(b, 64),) for b in (8, 4096) * 100))  # made one at a time
+    assert words[capacity] == grown, "kept, not reallocated per call"
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 64

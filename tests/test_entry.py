@@ -245,3 +245,35 @@ def test_a_python_body_drops_intermediates_after_their_last_use():
     compiled = check_model(model, (torch.randn(2, 3, 16, 16),))
     source = program(compiled).source
     assert "del e1" in source and source.index("del e1") < source.index("_seg0")
+
+
+def test_keyword_calls_take_the_native_entry():
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x, y, scale=2.0):
+            return torch.relu(self.fc(x)) * scale + y
+
+    model = Two().eval()
+    compiled = braze.compile(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.no_grad():
+        compiled(x, y, 2.0)
+        slow = compiled._slow_calls
+        for call in ({"x": x, "y": y, "scale": 2.0}, {"y": y, "x": x, "scale": 2.0}, {"scale": 2.0, "y": y, "x": x}):
+            assert torch.equal(compiled(**call), model(**call))
+        assert torch.equal(compiled(x, y=y, scale=2.0), model(x, y=y, scale=2.0))
+        assert compiled._slow_calls == slow, "keywords naming every parameter are bound natively"
+        assert torch.equal(compiled(x, y), model(x, y))  # the default filled in on the slow path
+        assert torch.equal(compiled(x, y=y, scale=3.0), model(x, y=y, scale=3.0))  # another constant
+        for bad in ({"x": x, "z": y, "scale": 2.0}, {"x": x, "y": y, "scale": 2.0, "w": 1}):
+            with pytest.raises(TypeError) as eager_error:
+                model(**bad)
+            with pytest.raises(TypeError) as braze_error:
+                compiled(**bad)
+            assert str(braze_error.value) == str(eager_error.value)
+        with pytest.raises(TypeError):
+            compiled(x, x=x, y=y)  # given twice
+    assert compiled._dynamo is None, "a bad keyword call does not hand the model to TorchDynamo"
