@@ -86,11 +86,13 @@ def test_the_guard_refuses_what_the_program_was_not_compiled_for():
             ((torch.randn(16, 8).t(),), {}),  # strides
             ((x.double(),), {}),  # dtype
             ((x, x), {}),  # argument count
-            ((), {"input": x}),  # keywords
+            ((), {"inputs": x}),  # a keyword naming no parameter
+            ((x,), {"input": x}),  # a parameter given twice
             (("text",), {}),  # not a tensor
             ((torch._neg_view(x),), {}),  # a lazily negated tensor: dispatch keys
         ]:
             assert prog.entry(*args, **kwargs) is MISS, (args, kwargs)
+        assert_same(prog.entry(input=x), model(x))  # keywords naming the parameters: bound natively
         model.train()  # no module of this model reads its flag: the program still holds
         assert_same(prog.entry(x), model(x))
         model.eval()
