@@ -16,26 +16,18 @@ import statistics
 import time
 import warnings
 
+import configs  # benchmarks/configs.py, beside this script
 import torch
 
 import braze
 
 
 def _models() -> dict[str, torch.nn.Module]:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=2, n_head=2, vocab_size=1000, n_positions=256))
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1000,
-            intermediate_size=256,
-        )
-    )
+    llama = LlamaForCausalLM(configs.llama())
     return {"gpt2": gpt2.eval(), "llama": llama.eval()}
 
 

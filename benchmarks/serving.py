@@ -18,6 +18,7 @@ import statistics
 import time
 import warnings
 
+import configs  # benchmarks/configs.py, beside this script
 import torch
 
 import braze
@@ -81,20 +82,11 @@ def steady(name: str, model: torch.nn.Module, kwargs: dict, rounds: int = 15, nu
 
 
 def main() -> None:
-    from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
+    from transformers import BertConfig, BertModel, LlamaModel
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    llama = LlamaModel(
-        LlamaConfig(
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1000,
-            intermediate_size=256,
-        )
-    ).eval()
+    llama = LlamaModel(configs.llama()).eval()
     steady("llama", llama, {"input_ids": torch.randint(0, 1000, (2, 32))})
 
     bert = BertModel(

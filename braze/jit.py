@@ -169,40 +169,20 @@ def one_thread_same(blas: dict[str, Any], beta: float) -> bool:
     random data (an order that differs shows in a large share of the outputs), twice: with every
     matrix 64-byte aligned and with each one float off. Cached per arguments and thread count.
     """
-    call = tuple(blas[a] for a in ("ta", "tb", "m", "n", "k", "lda", "ldb", "ldc"))
-    return _one_thread_same(call, beta, mkl_threads())
-
-
-@functools.cache
-def _one_thread_same(call: tuple, beta: float, threads: int) -> bool:  # threads: in the cache key
-    ta, tb, m, n, k, lda, ldb, ldc = call
-    gen = torch.Generator().manual_seed(0)  # the user's random stream stays untouched
-    sizes = (lda * (m if ta else k), ldb * (k if tb else n), ldc * n)
-    cpu = _torch_lib("libtorch_cpu.so")
-    for skew in (0, 1):
-        a, b, c = (torch.randn(size + skew, generator=gen, dtype=torch.float32)[skew:] for size in sizes)
-        threaded, alone = c.clone(), c.clone()
-        _sgemm(call, a, b, beta, threaded)
-        before = cpu.MKL_Set_Num_Threads_Local(1)
-        try:
-            _sgemm(call, a, b, beta, alone)
-        finally:
-            cpu.MKL_Set_Num_Threads_Local(before)
-        if not torch.equal(threaded.view(torch.int32), alone.view(torch.int32)):
-            return False
-    return True
+    return one_thread_same_sizes([blas], beta)[0]
 
 
 def one_thread_same_sizes(calls: list[dict[str, Any]], beta: float) -> list[bool]:
-    """one_thread_same for the arguments of one GEMM at many sizes (a generic program's), probed
-    on shared random operands: ~100x cheaper per size than one probe each."""
+    """one_thread_same for many argument lists (a generic GEMM's, one per size) on shared
+    random operands: ~80 us a size. Cached per arguments and thread count."""
     threads, cpu = mkl_threads(), _torch_lib("libtorch_cpu.so")
     args = [tuple(blas[a] for a in ("ta", "tb", "m", "n", "k", "lda", "ldb", "ldc")) for blas in calls]
     spans = [(lda * (m if ta else k), ldb * (k if tb else n), ldc * n) for ta, tb, m, n, k, lda, ldb, ldc in args]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # the user's random stream stays untouched
     same = [True] * len(args)
     for skew in (0, 1):
-        a, b, c = (torch.randn(max(s) + skew, generator=gen)[skew:] for s in zip(*spans, (0, 0, 0)))
+        longest = (max(s) + skew for s in zip(*spans, (0, 0, 0)))
+        a, b, c = (torch.randn(n, generator=gen, dtype=torch.float32)[skew:] for n in longest)
         for i, (call, (_, _, nc)) in enumerate(zip(args, spans)):
             if not same[i] or (call, beta, threads) in _PROBED:
                 continue
@@ -217,7 +197,7 @@ def one_thread_same_sizes(calls: list[dict[str, Any]], beta: float) -> list[bool
     return [_PROBED.setdefault((call, beta, threads), ok) for call, ok in zip(args, same)]
 
 
-_PROBED: dict[tuple, bool] = {}  # (sgemm_ arguments, beta, threads) -> one_thread_same_sizes's answer
+_PROBED: dict[tuple, bool] = {}  # (sgemm_ arguments, beta, threads) -> the probe's answer
 
 
 def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.Tensor) -> None:

@@ -225,7 +225,7 @@ def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
 
     monkeypatch.setattr(jit, "_sgemm", recording)
     threads(2)
-    jit._one_thread_same.cache_clear()
+    jit._PROBED.clear()
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:

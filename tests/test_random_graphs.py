@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .helpers import check_model
+import braze
+
+from .helpers import assert_same, check_model
 
 ACTS = {
     "relu": torch.relu,
@@ -71,3 +73,18 @@ def test_random_mlps_match_eager(case, seed):
     else:
         x = torch.randn(batch[1], batch[0], width).transpose(0, 1)  # batch dimensions swapped
     check_model(model, (x,))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mlps(), st.lists(st.sampled_from([1, 2, 3, 7, 16, 33, 100, 600]), min_size=3, max_size=5))
+def test_random_mlps_stay_exact_as_the_batch_changes(case, batches):
+    """One wrapper called with several batch sizes: the second size compiles a generic program,
+    which every later size runs (or compiles for itself where the family leaves it out)."""
+    model, batch, _ = case
+    compiled = braze.compile(model)
+    width = model.layers[0].in_features
+    with torch.no_grad():
+        for n in batches:
+            x = torch.randn(n, *batch[1:], width)
+            assert_same(compiled(x), model(x))
+    assert len(compiled.compilations) <= len(set(batches))
