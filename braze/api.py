@@ -461,18 +461,20 @@ class CompiledFunction:
             merged: dict[int, list[Place]] = {}
             for ps in self.symbolic:
                 merged.setdefault(size_at(args, ps[0]), []).extend(ps)
-            return list(merged.values()), [tuple(merged)]
-        if self.dynamic:
-            candidates = [(i, d) for i, a in enumerate(args) if _contiguous(a) for d in range(a.dim())]
-            old, changed = key, set(varying(self._captured, args, candidates))
+            places, seen = list(merged.values()), [tuple(merged)]
         else:
-            old, changed = self._last_key, _size_change(self._last_key, key, len(args))
-        symbols: dict[tuple[int, int], list[Place]] = {}
-        for i, d in sorted(changed):
-            symbols.setdefault((old[i][0][d], args[i].shape[d]), []).append((i, d))
-        if _family_key(key, Family(tuple(map(tuple, symbols.values())), ())) in self._not_generic:
-            return [], []
-        return list(symbols.values()), [tuple(v[0] for v in symbols), tuple(v[1] for v in symbols)]
+            if self.dynamic:
+                candidates = [(i, d) for i, a in enumerate(args) if _contiguous(a) for d in range(a.dim())]
+                old, changed = key, set(varying(self._captured, args, candidates))
+            else:
+                old, changed = self._last_key, _size_change(self._last_key, key, len(args))
+            symbols: dict[tuple[int, int], list[Place]] = {}
+            for i, d in sorted(changed):
+                symbols.setdefault((old[i][0][d], args[i].shape[d]), []).append((i, d))
+            places, seen = list(symbols.values()), [tuple(v[0] for v in symbols), tuple(v[1] for v in symbols)]
+        if _family_key(key, Family(tuple(map(tuple, places)), ())) in self._not_generic:
+            return [], []  # tried for this family before, and it did not fit
+        return places, seen
 
     # --- helpers -----------------------------------------------------------------------------
     def _signature(self) -> inspect.Signature | None:
