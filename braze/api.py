@@ -703,6 +703,8 @@ def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] 
         debug.log(f"braze: {why}; capturing with TorchDynamo instead")
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        if wrapper.dynamic is None:
+            _maybe_dynamic(args, kwargs)
         try:
             return compiled(*args, **kwargs)
         except Exception:
@@ -714,6 +716,18 @@ def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] 
             return out
 
     return call
+
+
+def _maybe_dynamic(args: tuple, kwargs: dict) -> None:
+    """Let TorchDynamo trace the call's tensor arguments with symbolic sizes from its first
+    trace on (where nothing fixes them: it specialises the rest), rather than once per size
+    before: a model served at many sizes (a prompt of another length) then compiles once."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            for d in range(t.dim()):
+                maybe_mark_dynamic(t, d)
 
 
 def compile(
