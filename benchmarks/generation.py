@@ -1,6 +1,7 @@
 """Generation figures (issue 16): greedy generate() with a braze-compiled forward against eager.
 
-    python benchmarks/generation.py            # needs transformers (pip install -e '.[bench]')
+    python benchmarks/generation.py            # needs transformers (a dev dependency)
+    python benchmarks/generation.py llama None # one model and setting
 
 For a GPT-2 and a Llama config (random weights, no downloads): one warm-up generate of 32 new
 tokens on a prompt of one length, then interleaved rounds of generate on a prompt of another
@@ -13,6 +14,8 @@ changes) and True (generic from the first call).
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 
@@ -38,7 +41,6 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def run(name: str, model: torch.nn.Module, dynamic: bool | None, rounds: int = 9) -> dict:
-    torch._dynamo.reset()  # TorchDynamo's caches (and recompile counts) are per function, process-wide
     eager = type(model)(model.config).eval()
     eager.load_state_dict(model.state_dict())
     compiled = braze.compile(model.forward, dynamic=dynamic)
@@ -71,11 +73,17 @@ def run(name: str, model: torch.nn.Module, dynamic: bool | None, rounds: int = 9
 
 
 def main() -> None:
-    warnings.simplefilter("ignore")
-    warnings.simplefilter("always", braze.BrazeWarning)
-    for dynamic in (None, True):
-        for name, model in _models().items():
-            run(name, model, dynamic)
+    """Each model and setting in a process of its own, as a server runs one model: TorchDynamo
+    keeps per-function state (Hugging Face's decorators share one function between models)."""
+    if len(sys.argv) == 3:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", braze.BrazeWarning)
+        name, dynamic = sys.argv[1], {"None": None, "True": True}[sys.argv[2]]
+        run(name, _models()[name], dynamic)
+        return
+    for dynamic in ("None", "True"):
+        for name in ("gpt2", "llama"):
+            subprocess.run([sys.executable, __file__, name, dynamic], check=True)
 
 
 if __name__ == "__main__":
