@@ -711,7 +711,7 @@ def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] 
         debug.log(f"braze: {why}; capturing with TorchDynamo instead")
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if wrapper.dynamic is None:
+        if wrapper.dynamic is None and not wrapper._subgraphs:  # until TorchDynamo's first trace
             _maybe_dynamic(args, kwargs)
         try:
             return compiled(*args, **kwargs)

@@ -51,8 +51,10 @@ def test_bert_keyword_calls_of_many_sizes():
         for b, s in ((2, 7), (3, 12), (4, 9), (2, 33)):
             ids = torch.randint(0, 100, (b, s), generator=gen)
             mask = torch.ones(b, s, dtype=torch.long)
-            want = model(input_ids=ids, attention_mask=mask)
-            got = compiled(input_ids=ids, attention_mask=mask)
+            inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": None}  # None: the default
+            want = model(**inputs)
+            got = compiled(**inputs)
             assert type(got) is type(want) and torch.equal(got.last_hidden_state, want.last_hidden_state)
+            assert torch.equal(got.pooler_output, want.pooler_output)
     whys = [c.why for sub in compiled._subgraphs for c in sub.compilations]
     assert len(whys) <= 2, whys
