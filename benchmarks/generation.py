@@ -1,14 +1,15 @@
 """Generation figures (issue 16): greedy generate() with a braze-compiled forward against eager.
 
     python benchmarks/generation.py            # needs transformers (a dev dependency)
-    python benchmarks/generation.py llama None # one model and setting
+    python benchmarks/generation.py llama braze # one model and backend (braze, braze-dynamic, inductor)
 
 For a GPT-2 and a Llama config (random weights, no downloads): one warm-up generate of 32 new
 tokens on a prompt of one length, then interleaved rounds of generate on a prompt of another
 length, braze and eager; the tokens of every generate torch.equal to eager's; the median ratio
 of eager's time to braze's per generate call; braze's compilations (the wrapper's and those of
-each TorchDynamo graph). Run with `dynamic` None (braze's default: generic after a size
-changes) and True (generic from the first call).
+each TorchDynamo graph); tokens per second. Backends: braze (`dynamic=None`, its default),
+braze-dynamic (`dynamic=True`) and Inductor (`torch.compile(model.forward)`, not exact: its
+tokens may differ from eager's).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import warnings
+from typing import Any
 
 import configs  # benchmarks/configs.py, beside this script
 import torch
@@ -36,18 +38,25 @@ def _models() -> dict[str, torch.nn.Module]:
 
 def _generate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     return out, time.perf_counter() - t0
 
 
-def run(name: str, model: torch.nn.Module, dynamic: bool | None, rounds: int = 9) -> dict:
+def _compiled(forward: Any, backend: str) -> Any:
+    if backend == "inductor":
+        return torch.compile(forward)
+    return braze.compile(forward, dynamic=True if backend == "braze-dynamic" else None)
+
+
+def run(name: str, model: torch.nn.Module, backend: str, rounds: int = 9) -> dict:
+    """backend: braze (dynamic=None), braze-dynamic (dynamic=True) or inductor (torch.compile)."""
     eager = type(model)(model.config).eval()
     eager.load_state_dict(model.state_dict())
-    compiled = braze.compile(model.forward, dynamic=dynamic)
+    compiled = _compiled(model.forward, backend)
     model.forward = compiled
     gen = torch.Generator().manual_seed(0)
     warm, prompt = (torch.randint(0, 1000, (1, n), generator=gen) for n in (11, 16))
-    equal, ratios = True, []
+    equal, times = True, []
     with torch.no_grad():
         first = _generate(model, warm)
         equal &= torch.equal(first[0], _generate(eager, warm)[0])
@@ -60,30 +69,38 @@ def run(name: str, model: torch.nn.Module, dynamic: bool | None, rounds: int = 9
                 b, te = _generate(eager, prompt)
                 a, tb = _generate(model, prompt)
             equal &= torch.equal(a, b)
-            ratios.append(te / tb)
+            times.append((te, tb))
     del model.forward
-    n = len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+    speedup = statistics.median(te / tb for te, tb in times)
+    rate = lambda k: NEW_TOKENS / statistics.median(t[k] for t in times)  # noqa: E731
+    compiles = ""
+    if backend != "inductor":
+        n = len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+        compiles = f"; {n} braze compilations in {len(compiled._subgraphs)} TorchDynamo graphs"
     print(
-        f"{name} (dynamic={dynamic}): tokens torch.equal to eager: {equal}; {n} braze compilations in "
-        f"{len(compiled._subgraphs)} TorchDynamo graphs; warm-up generate {first[1]:.2f} s, then at the "
-        f"new prompt length {second * 1e3:.0f} ms; steady: {statistics.median(ratios):.2f}x eager "
-        f"(median of {rounds} interleaved generate calls)"
+        f"{name} {backend}: tokens torch.equal to eager's: {equal}{compiles}; warm-up generate "
+        f"{first[1]:.2f} s, then at the new prompt length {second * 1e3:.0f} ms; steady: eager "
+        f"{rate(0):.0f} tokens/s, {backend} {rate(1):.0f} tokens/s, {speedup:.2f}x (median of {rounds} "
+        f"interleaved generate calls)"
     )
-    return {"equal": equal, "compilations": n, "speedup": statistics.median(ratios)}
+    return {"equal": equal, "speedup": speedup}
+
+
+NEW_TOKENS = 32
+BACKENDS = ("braze", "braze-dynamic", "inductor")
 
 
 def main() -> None:
-    """Each model and setting in a process of its own, as a server runs one model: TorchDynamo
+    """Each model and backend in a process of its own, as a server runs one model: TorchDynamo
     keeps per-function state (Hugging Face's decorators share one function between models)."""
     if len(sys.argv) == 3:
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", braze.BrazeWarning)
-        name, dynamic = sys.argv[1], {"None": None, "True": True}[sys.argv[2]]
-        run(name, _models()[name], dynamic)
+        run(sys.argv[1], _models()[sys.argv[1]], sys.argv[2])
         return
-    for dynamic in ("None", "True"):
+    for backend in BACKENDS:
         for name in ("gpt2", "llama"):
-            subprocess.run([sys.executable, __file__, name, dynamic], check=True)
+            subprocess.run([sys.executable, __file__, name, backend], check=True)
 
 
 if __name__ == "__main__":
