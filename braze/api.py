@@ -610,8 +610,11 @@ class CompiledFunction:
                 except (NotGeneric, Undecided) as e:
                     note = f"; compiled for these sizes only: {e}"
                     self._not_generic.add(_family_key(key, Family(tuple(map(tuple, places)), ())))
-                if prog is not None and prog.point is None:  # the family leaves out this call's sizes
-                    note = "; compiled for these sizes only: they are below the generic program's"
+                if prog is not None and prog.family.values(args) is None:
+                    # the family leaves out this call's sizes (ATen lowers a size of 1 otherwise):
+                    # keep it for the calls it holds, and compile for this one
+                    self._adopt(prog, key, capture_ms, t0)
+                    note = f"; compiled for these sizes only: outside the generic program's ({_generic_note(prog)[2:]})"
                     prog = None
             if prog is None:
                 prog = build_program(self._captured, args, self.epoch, names=self._names())
@@ -622,11 +625,22 @@ class CompiledFunction:
             if config.debug >= 2:
                 raise
             return _Failed(f"compilation failed ({type(e).__name__}: {e})")
-        prog.shapes_note = note or _generic_note(prog)
+        return self._finish(prog, note or _generic_note(prog), capture_ms, t0)
+
+    def _finish(self, prog: Program, note: str, capture_ms: float, t0: float) -> Program:
+        prog.shapes_note = note
         prog.timings.insert(0, ("capture", capture_ms))
         prog.total_ms = (time.perf_counter() - t0) * 1e3
         debug.report_compile(prog, self.fn)
         return prog
+
+    def _adopt(self, prog: Program, key: tuple, capture_ms: float, t0: float) -> None:
+        """Keep a generic program built for a call it does not hold: it serves later calls."""
+        self._finish(prog, _generic_note(prog), capture_ms, t0)
+        prog.bind(self._on_miss)
+        self.compilations.append(Compilation(_difference(self._last_key, key) + prog.shapes_note, prog.total_ms))
+        self._compiled_at.append(self._slow_calls)
+        self._keep_generic(prog, key)
 
     def use_capture(self, captured: capture.Captured) -> None:
         """Compile from `captured`, a graph of the model with its modules' flags as they are now."""

@@ -171,7 +171,9 @@ class Program:
         # A shape-generic program (see lowering/generic.py): its symbols' slots follow the
         # values', then those of the sizes its entry computes from them (`derived`).
         self.family = family
-        self.point = family.values(guard.args) if family is not None else ()  # the sizes it was built at
+        # The sizes its heuristics (flops, loop work) are judged at: the call's, or the smallest
+        # the family admits where the call is outside it (it is then compiled for on its own)
+        self.point = (family.values(guard.args) or family.lo) if family is not None else ()
         n_symbols = len(family.lo) if family is not None else 0
         self.symbol_slots = tuple(range(len(self.layout.slot), len(self.layout.slot) + n_symbols))
         self.derived: dict[Expr, int] = {}

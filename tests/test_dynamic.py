@@ -241,3 +241,15 @@ def test_scratch_memory_grows_to_the_largest_call_and_is_kept():
     calls(compiled, model, ((torch.randn(b, 64),) for b in (8, 4096) * 100))  # made one at a time
     assert words[capacity] == grown, "kept, not reallocated per call"
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 64
+
+
+def test_a_call_outside_the_family_it_started_is_compiled_for_itself():
+    def fn(x):  # ATen's bmm of one matrix is not MKL's batched GEMM: a batch of 1 lowers otherwise
+        return torch.bmm(x, x.transpose(1, 2)) * 2.0
+
+    compiled = braze.compile(fn)
+    calls(compiled, fn, [(torch.randn(b, 8, 16),) for b in (4, 1, 1, 3, 6)])
+    whys = [c.why for c in compiled.compilations]
+    assert len(whys) == 3 and "generic in s0 = argument 0 dim 0 (>= 2)" in whys[1], whys
+    assert "outside the generic program's" in whys[2], whys
+    assert [p.family.lo for p in generic(compiled)] == [(2,)]
