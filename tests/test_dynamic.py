@@ -253,3 +253,11 @@ def test_a_call_outside_the_family_it_started_is_compiled_for_itself():
     assert len(whys) == 3 and "generic in s0 = argument 0 dim 0 (>= 2)" in whys[1], whys
     assert "outside the generic program's" in whys[2], whys
     assert [p.family.lo for p in generic(compiled)] == [(2,)]
+
+
+def test_the_dynamic_setting_survives_pickling():
+    import pickle
+
+    for dynamic in (None, True, False):
+        again = pickle.loads(pickle.dumps(braze.compile(lesson(), dynamic=dynamic)))
+        assert again.dynamic is dynamic
