@@ -578,14 +578,8 @@ class CompiledFunction:
             if isinstance(entry, _Failed):
                 return entry
             if isinstance(entry, Program):
-                entry.bind(self._on_miss)
-                why = (self._why or _difference(self._last_key, key)) + entry.shapes_note
-                self.compilations.append(Compilation(why, entry.total_ms))
+                self._record(entry, key)
                 self._why, self._last_key = "", key
-                self._compiled_at.append(self._slow_calls)
-                self._storm()
-                if entry.family is not None:
-                    self._keep_generic(entry, key)
             self._cache[key] = entry
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -636,11 +630,18 @@ class CompiledFunction:
 
     def _adopt(self, prog: Program, key: tuple, capture_ms: float, t0: float) -> None:
         """Keep a generic program built for a call it does not hold: it serves later calls."""
-        self._finish(prog, _generic_note(prog), capture_ms, t0)
+        self._record(self._finish(prog, _generic_note(prog), capture_ms, t0), key)
+
+    def _record(self, prog: Program, key: tuple) -> None:
+        """A program compiled for `key`: its misses come back here; counted with why and how
+        long it took (and a storm said); kept among the generic ones if it is one."""
         prog.bind(self._on_miss)
-        self.compilations.append(Compilation(_difference(self._last_key, key) + prog.shapes_note, prog.total_ms))
+        why = (self._why or _difference(self._last_key, key)) + prog.shapes_note
+        self.compilations.append(Compilation(why, prog.total_ms))
         self._compiled_at.append(self._slow_calls)
-        self._keep_generic(prog, key)
+        self._storm()
+        if prog.family is not None:
+            self._keep_generic(prog, key)
 
     def use_capture(self, captured: capture.Captured) -> None:
         """Compile from `captured`, a graph of the model with its modules' flags as they are now."""

@@ -572,15 +572,11 @@ class _Runtime:
             have, want = b.load(out, typ=PTR), t("sizes", PTR)
             with counted_loop(b, I64(0), ndim) as k:
                 size, word = self.word(b, have, k), self.word(b, want, k)
-                with b.if_then(b.icmp_signed("<", word, I64(0))):  # a symbol: bind it
-                    bound = self.item(b, table, b.sub(I64(-1), word))
-                    b.store(
-                        b.select(
-                            b.icmp_signed("==", b.load(bound, typ=I64), I64(UNBOUND)), size, b.load(bound, typ=I64)
-                        ),
-                        bound,
-                    )
-                require(b.icmp_signed("==", size, self.resolve(b, table, word)))
+                with b.if_else(b.icmp_signed("<", word, I64(0))) as (symbolic, fixed):
+                    with symbolic:
+                        self._bind(b, self.item(b, table, b.sub(I64(-1), word)), size, require)
+                    with fixed:
+                        require(b.icmp_signed("==", size, word))
 
     def _check_tensor(
         self,
@@ -637,7 +633,7 @@ class _Runtime:
                 with counted_loop(b, I64(0), t("ndim")) as i:
                     word = self.word(b, want, i)
                     with b.if_then(b.icmp_signed("<", word, I64(0))):
-                        b.store(self.word(b, have, i), self.item(b, table, b.sub(I64(-1), word)))
+                        self._bind(b, self.item(b, table, b.sub(I64(-1), word)), self.word(b, have, i), None)
         with counted_loop(b, I64(0), self.field(b, d, "n_int_symbols")) as i:
             self._bind_int(b, d, args, i, table, None)
         self._dims(b, d, table)

@@ -142,9 +142,16 @@ class Workspace:
     def _tensor(self, prog: Program, name: str) -> torch.Tensor:
         node = prog.nodes[name]
         owner = prog.nodes[prog.layout.owner[name]]
-        raw = self.scratch[owner.attrs["store"][1]]
-        typed = raw.view(torch.uint8).view(node.meta.dtype) if node.meta.dtype != torch.float32 else raw
-        return typed.as_strided(node.meta.shape, node.meta.stride, node.meta.offset - owner.meta.offset)
+        m = node.meta
+        return _scratch_view(
+            self.scratch[owner.attrs["store"][1]], m.dtype, m.shape, m.stride, m.offset - owner.meta.offset
+        )
+
+
+def _scratch_view(raw: torch.Tensor, dtype: torch.dtype, shape: Any, stride: Any, offset: int) -> torch.Tensor:
+    """A value living in scratch buffer `raw` (float32 words), as a tensor of its dtype and layout."""
+    typed = raw.view(torch.uint8).view(dtype) if dtype != torch.float32 else raw
+    return typed.as_strided(shape, stride, offset)
 
 
 def _scratch_buffers(layout: Layout) -> dict[int, torch.Tensor]:
@@ -387,7 +394,7 @@ class Program:
         ns["_spec"] = lowered.out_spec
         ns["_unflatten"] = pytree.tree_unflatten
         ns["_relaid"] = _relaid
-        ns["_u8"] = torch.uint8
+        ns["_scratch_view"] = _scratch_view
         ns["_stale"] = self._went_stale
         return ns
 
@@ -475,8 +482,7 @@ class _RunnerWriter:
         if isinstance(store, tuple):  # a generic program's scratch: viewed per call
             m, dtype = prog.nodes[name].meta, self.const(prog.nodes[name].meta.dtype)
             rel = m.offset - prog.nodes[owner].meta.offset
-            raw = f"_b{store[1]}" if m.dtype == torch.float32 else f"_b{store[1]}.view(_u8).view({dtype})"
-            self.lines.append(f"    {name} = {raw}.as_strided({m.shape}, {m.stride}, {rel})")
+            self.lines.append(f"    {name} = _scratch_view(_b{store[1]}, {dtype}, {m.shape}, {m.stride}, {rel})")
             self.expr[name] = name
             return name
         var, meta = self.base[owner]
