@@ -56,6 +56,8 @@ _running = threading.local()  # .wrappers: those whose slow path runs on this th
 def _module_replaced(module: torch.nn.Module, *_: Any) -> None:
     """A submodule of `module` is added or replaced: its wrappers recompile, except one whose
     own slow path (tracing forward, or running it eagerly) does it: it compiles what forward does."""
+    if torch.compiler.is_compiling():
+        return  # see _tensor_replaced
     mine = getattr(_running, "wrappers", ())
     for wrapper in list(_watching.get(module, ())):
         if wrapper not in mine:
@@ -67,6 +69,12 @@ def _tensor_replaced(table: str) -> Callable[[torch.nn.Module, str, Any], None]:
     replaced: its wrappers' programs read the new tensor from now on."""
 
     def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        # TorchDynamo, tracing a forward that registers modules (Llama's), would otherwise trace
+        # these hooks and guard on the length of `_watching`, which any new wrapper or module
+        # changes: a recompile of every graph each time. Its replay of forward's changes to
+        # modules runs them for real.
+        if torch.compiler.is_compiling():
+            return
         old = getattr(module, table).get(name)
         if old is not None and isinstance(value, torch.Tensor):
             for wrapper in list(_watching.get(module, ())):

@@ -645,6 +645,29 @@ def test_a_forward_that_registers_things_compiles_once_and_runs_natively():
     assert type(compiled).__call__ is compiled.programs()[0].entry, "the native entry serves the calls"
 
 
+class RegistersInDynamoForward(RegistersInForward):
+    """The same, with a branch on a value that torch.fx cannot trace: captured by TorchDynamo."""
+
+    def forward(self, x):
+        return super().forward(x if x.sum() > 0 else -x)
+
+
+def test_registering_in_a_dynamo_forward_does_not_recompile_when_other_wrappers_appear():
+    # TorchDynamo traced braze's registration hooks and guarded on how many modules braze
+    # watches: each new wrapper (or alternating call forms) recompiled every graph.
+    model = RegistersInDynamoForward().eval()
+    compiled = braze.compile(model)
+    x = torch.randn(8, 16).abs()
+    for _ in range(3):
+        check_model(model, (x,), compiled=compiled)
+        other = braze.compile(nn.Linear(4, 4))
+        with torch.no_grad():
+            other(torch.randn(2, 4))
+    assert compiled._subgraphs and sum(len(s.compilations) for s in compiled._subgraphs) == 2, [
+        c.why for s in compiled._subgraphs for c in s.compilations
+    ]
+
+
 def test_compilations_say_why():
     model = lesson()
     compiled = braze.compile(model)
