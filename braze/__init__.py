@@ -23,37 +23,76 @@ __all__ = ["compile", "explain", "config", "CompiledFunction", "CompiledModule",
 __version__ = "0.1.0"
 
 
-def explain(fn: Any, *example_inputs: Any) -> Report:
-    """Compile `fn` for `example_inputs` and describe every stage (nothing is run).
+def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
+    """Compile `fn` for `example_inputs` and describe every stage.
 
     The report holds the captured graph, the IR before and after each pass, the fusion groups,
     which ops run natively and which through ATen (and why), the LLVM IR, optimised IR,
     assembly, and milliseconds per stage; for a compiled wrapper, also every program it has
-    compiled so far and why.
+    compiled so far and why. A model that torch.fx cannot trace (or a call with keywords) is
+    captured as braze.compile would: by TorchDynamo, which runs it once on the inputs; each of
+    its graphs gets its sections, headed "graph i:".
     """
     import torch
 
     from . import capture, debug
-    from .api import build_program
 
     target = fn.fn if isinstance(fn, CompiledFunction) else fn
     t0 = time.perf_counter()
-    if isinstance(target, torch.fx.GraphModule):
-        captured = capture.from_graph_module(target)
-    else:
-        captured = capture.trace(target, len(example_inputs))
+    try:
+        if example_kwargs:
+            raise capture.CaptureError("keyword arguments")
+        if isinstance(target, torch.fx.GraphModule):
+            graphs = [(capture.from_graph_module(target), tuple(example_inputs))]
+        else:
+            graphs = [(capture.trace(target, len(example_inputs)), tuple(example_inputs))]
+    except capture.CaptureError:
+        graphs = _dynamo_graphs(target, example_inputs, example_kwargs)
     capture_ms = (time.perf_counter() - t0) * 1e3
-    with config.patch(debug_dir=""), _want_text():
-        prog = build_program(captured, tuple(example_inputs))
-    prog.timings.insert(0, ("capture", capture_ms))
-    secs = debug.sections(prog, captured.graph)
+    secs: dict[str, str] = {}
+    programs = []
+    for i, (captured, args) in enumerate(graphs):
+        prog = _program(captured, args)
+        prog.timings.insert(0, ("capture", capture_ms if i == 0 else 0.0))
+        head = f"graph {i}: " if len(graphs) > 1 else ""
+        secs.update({head + name: body for name, body in debug.sections(prog, captured.graph).items()})
+        programs.append(prog)
     if isinstance(fn, CompiledFunction):
         secs["compilations of this wrapper"] = debug.compilations(fn)
     text = "\n\n".join(f"=== {name} ===\n{body}" for name, body in secs.items())
     report = Report(text)
-    report.program = prog
+    report.program = programs[0] if programs else None
+    report.programs = programs
     report.sections = secs
     return report
+
+
+def _program(captured: Any, args: tuple) -> Any:
+    from .api import build_program
+
+    with config.patch(debug_dir=""), _want_text():
+        return build_program(captured, args)
+
+
+def _dynamo_graphs(target: Any, args: tuple, kwargs: dict) -> list[tuple[Any, tuple]]:
+    """TorchDynamo's graphs of one call of `target`, each with the arguments it was called with."""
+    import torch
+
+    from . import capture
+    from .backend import exact
+
+    graphs: list[tuple[Any, tuple]] = []
+
+    @exact
+    def collect(gm: torch.fx.GraphModule, _: list[Any]) -> Any:
+        def first(*graph_args: Any) -> Any:
+            graphs.append((capture.from_graph_module(gm), graph_args))
+            return gm(*graph_args)
+
+        return first
+
+    torch.compile(target, backend=collect, dynamic=False)(*args, **kwargs)
+    return graphs
 
 
 class _want_text:

@@ -25,7 +25,8 @@ def log(text: str) -> None:
 class Report(str):
     """The text of `braze.explain`; also exposes the pieces as attributes."""
 
-    program: Any
+    program: Any  # the first graph's
+    programs: list[Any]  # one per captured graph
     sections: dict[str, str]
 
 

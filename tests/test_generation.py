@@ -58,3 +58,15 @@ def test_bert_keyword_calls_of_many_sizes():
             assert torch.equal(got.pooler_output, want.pooler_output)
     whys = [c.why for sub in compiled._subgraphs for c in sub.compilations]
     assert len(whys) <= 2, whys
+
+
+def test_explain_a_keyword_call_of_a_hugging_face_model():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        report = braze.explain(model, input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long))
+    assert report.programs and "F.layer_norm" in str(report)

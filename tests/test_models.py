@@ -668,6 +668,15 @@ def test_registering_in_a_dynamo_forward_does_not_recompile_when_other_wrappers_
     ]
 
 
+def test_explain_captures_through_dynamo_what_fx_cannot_trace():
+    model = RegistersInDynamoForward().eval()
+    x = torch.randn(8, 16).abs()
+    report = braze.explain(model, x)
+    assert len(report.programs) == 2  # TorchDynamo breaks the graph at the branch
+    assert "native: 2 kernel(s)" in report.sections["graph 1: native vs ATen"]  # both linears
+    assert report.program is report.programs[0]
+
+
 def test_compilations_say_why():
     model = lesson()
     compiled = braze.compile(model)
