@@ -166,6 +166,8 @@ class ModuleBuilder:
                 self._cat(b, table, k)
             elif k.op is Op.VML:
                 self._vml(b, table, k)
+            elif k.op is Op.LAYER_NORM:
+                self._layer_norm(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -283,6 +285,22 @@ class ModuleBuilder:
         kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, k.meta.numel)
+
+    def _layer_norm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """rows.py's kernel over the rows, split between ATen's threads as its elementwise loops
+        are (each row is computed whole by one thread, as in ATen: the split cannot change bits)."""
+        from . import rows  # built on this module's helpers
+
+        rows.library()  # in the JIT before this module, which calls it by name
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("layer_norm"))
+        kern.linkage = "internal"
+        kb = ll.IRBuilder(kern.append_basic_block("entry"))
+        tbl, lo, hi = kern.args
+        ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
+        fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
+        kb.call(fn, [*ptrs, I64(k.attrs["n"]), lo, hi, F32(k.attrs["eps"])])
+        kb.ret_void()
+        self._split(b, table, kern, k.meta.numel, k.attrs["rows"])
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:

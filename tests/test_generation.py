@@ -69,4 +69,5 @@ def test_explain_a_keyword_call_of_a_hugging_face_model():
     ids = torch.randint(0, 100, (2, 7))
     with torch.no_grad():
         report = braze.explain(model, input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long))
-    assert report.programs and "F.layer_norm" in str(report)
+    placement = report.sections["native vs ATen"]
+    assert "layer_norm" in report.sections["IR after lowering"] and "F.layer_norm" not in placement

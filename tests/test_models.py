@@ -157,10 +157,10 @@ def test_grad_mode_runs_eagerly_and_keeps_autograd():
 
 
 def test_grad_mode_after_compiling_keeps_autograd_for_parameters_aten_reads():
-    # Found by hypothesis: a LayerNorm runs through ATen with its own weights, which are not the
-    # program's parameters; compiled under no_grad, the program then ran in grad mode and the
-    # native ReLU after it cut the output off autograd.
-    model = nn.Sequential(nn.LayerNorm(4), nn.ReLU()).eval()
+    # Found by hypothesis: a LayerNorm (native since; a GroupNorm here) ran through ATen with its
+    # own weights, which are not the program's parameters; compiled under no_grad, the program
+    # then ran in grad mode and the native ReLU after it cut the output off autograd.
+    model = nn.Sequential(nn.GroupNorm(2, 4), nn.ReLU()).eval()
     compiled, x = braze.compile(model), torch.randn(3, 4)
     with torch.no_grad():
         check_model(model, (x,), compiled=compiled, externs=1)
@@ -462,7 +462,7 @@ def test_structured_outputs_keyword_and_constant_arguments():
 
 
 def test_unknown_modules_run_through_aten_inside_the_program():
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8), nn.Sigmoid()).eval()
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.GroupNorm(4, 32), nn.Linear(32, 8), nn.Sigmoid()).eval()
     compiled = check_model(model, (torch.randn(5, 16),))
     prog = compiled.programs()[0]
     assert prog.kernel_count == 2 and len(prog.externs) == 3
@@ -543,10 +543,10 @@ def test_random_numbers_drawn_inside_forward_stay_random():
 
 
 def test_parameters_of_layers_that_run_through_aten_do_not_shift_the_others():
-    # Found by hypothesis: the weight of a layer that runs through ATen (then a bias-free Linear
-    # on a 3-D input, native since) was once counted among the program's parameters and shifted
-    # every later one by a slot.
-    model = nn.Sequential(nn.LayerNorm(1), nn.Linear(1, 1)).eval()
+    # Found by hypothesis: the weight of a layer that runs through ATen (a LayerNorm then, native
+    # since; a GroupNorm here) was once counted among the program's parameters and shifted every
+    # later one by a slot.
+    model = nn.Sequential(nn.GroupNorm(1, 5), nn.Linear(1, 1)).eval()
     check_model(model, (torch.randn(2, 5, 1),), externs=1)
 
 

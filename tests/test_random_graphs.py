@@ -31,6 +31,7 @@ ACTS = {
     "erf": torch.erf,
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,  # MKL's vmsTanh, as ATen calls it
+    "layer_norm": None,  # the layer's own nn.LayerNorm (braze's row kernel)
 }
 
 
@@ -40,10 +41,14 @@ class RandomMLP(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b, bias=c) for a, b, c in zip(widths, widths[1:], bias))
         # a residual where the layer keeps the width (decided here: FX traces no shape test)
         self.acts, self.residual = acts, [r and a == b for r, a, b in zip(residual, widths, widths[1:])]
+        self.norms = nn.ModuleList(nn.LayerNorm(w) for w in widths[1:])
+        for norm in self.norms:
+            nn.init.normal_(norm.weight)
+            nn.init.normal_(norm.bias)
 
     def forward(self, x):
-        for layer, act, res in zip(self.layers, self.acts, self.residual):
-            y = ACTS[act](layer(x))
+        for layer, norm, act, res in zip(self.layers, self.norms, self.acts, self.residual):
+            y = norm(layer(x)) if act == "layer_norm" else ACTS[act](layer(x))
             x = y + x if res else y
         return x
 

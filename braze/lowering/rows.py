@@ -1,0 +1,55 @@
+"""Row kernels: layer_norm through braze's native kernel (braze/rows.py), where a probe shows it
+gives ATen's bits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import rows
+from ..ir import Op
+from .core import Lowerer, NotNative, Sym, no_out
+
+
+def _layer_norm_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, Any, Any, Any]:
+    if isinstance(fn, torch.nn.LayerNorm):
+        return args[0], tuple(fn.normalized_shape), fn.weight, fn.bias, fn.eps
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    return (
+        given["input"],
+        tuple(given["normalized_shape"]),
+        given.get("weight"),
+        given.get("bias"),
+        given.get("eps", 1e-5),
+    )
+
+
+def _layer_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's layer_norm: the input made contiguous, then each row of the normalised size through
+    rows.py's kernel (RowwiseMoments, then fma((x - mean) * rstd, weight, bias))."""
+    no_out(kwargs)
+    x, shape, w, b, eps = _layer_norm_parts(fn, args, kwargs)
+    if isinstance(fn, torch.nn.LayerNorm):
+        w = None if w is None else lw.param(w, "weight")
+        b = None if b is None else lw.param(b, "bias")
+    if not (isinstance(w, Sym) and isinstance(b, Sym)):
+        raise NotNative("layer_norm without both weight and bias (ATen's scalar path)")
+    n = math.prod(shape)
+    for t in (x, w, b):
+        if not (t.is_tensor and t.meta.dtype == torch.float32):
+            raise NotNative("layer_norm of tensors that are not float32")
+    if (
+        tuple(w.meta.shape) != shape
+        or tuple(b.meta.shape) != shape
+        or not (w.meta.is_contiguous() and b.meta.is_contiguous())
+    ):
+        raise NotNative("layer_norm with a weight or bias that is not contiguous of the normalised shape")
+    if n == 0 or not isinstance(eps, float) or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise NotNative("layer_norm of zero-size rows, or an eps or result braze does not expect")
+    if not rows.layer_norm_same():
+        raise NotNative("a probe found braze's layer_norm does not give ATen's bits here")
+    x = lw.view(x, lambda t: t.contiguous())
+    return lw.emit(Op.LAYER_NORM, (x.name, w.name, b.name), out, n=n, rows=out.numel() // n, eps=eps)

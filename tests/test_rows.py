@@ -1,0 +1,102 @@
+"""Row kernels (braze/rows.py) against eager, bit for bit: row lengths around every boundary of
+ATen's vector body, Welford chunks and cascade, special values, layouts, threads, probes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import braze
+from braze import rows
+
+from .helpers import check_model
+from .test_ops import special
+
+# Row lengths: ATen's 8-lane body and scalar tail, 16-vector chunks, the cascade of chunks.
+LENGTHS = [1, 7, 8, 15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 2049, 32769]
+
+
+def layer_norm(n: int, affine: bool = True) -> torch.nn.Module:
+    torch.manual_seed(n)
+    m = torch.nn.LayerNorm(n, elementwise_affine=affine).eval()
+    if affine:
+        with torch.no_grad():
+            m.weight.normal_()
+            m.bias.normal_()
+    return m
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_layer_norm_is_native_and_exact(n, n_threads, threads):
+    threads(n_threads)
+    rows_ = 3 if n < 4096 else 2
+    x = special(rows_, n) * torch.logspace(-2, 2, rows_).unsqueeze(1)
+    x[-1] = torch.randn(n) * 1e3 + 5e3  # a large mean: where a naive variance loses its bits
+    check_model(layer_norm(n), (x,), kernels=1, externs=0)
+
+
+def test_layer_norm_functional_forms_and_many_rows(threads):
+    threads(2)
+    w, b = torch.randn(6, 48), torch.randn(6, 48)
+    x = torch.randn(300, 6, 48)  # 86k elements: the rows are split between threads
+    check_model(lambda t: F.layer_norm(t, (6, 48), w, b, 1e-12), (x,), kernels=1, externs=0)
+    check_model(lambda t: torch.layer_norm(t, [48], w[0], b[0]), (x,), kernels=1, externs=0)
+
+
+def test_layer_norm_of_strided_and_zero_size_inputs():
+    m = layer_norm(33)
+    check_model(m, (torch.randn(33, 5).t(),), kernels=2, externs=0)  # a copy to contiguous, as ATen
+    check_model(m, (torch.randn(4, 66)[:, ::2],), kernels=2, externs=0)
+    check_model(m, (torch.randn(0, 33),), externs=0)
+
+
+def test_layer_norm_with_its_neighbours():
+    torch.manual_seed(0)
+    lin, norm = torch.nn.Linear(64, 64), layer_norm(64)
+
+    def block(x, residual):
+        return norm(torch.relu(lin(x)) + residual)
+
+    check_model(block, (torch.randn(9, 64), torch.randn(9, 64)), externs=0)
+
+
+def test_layer_norm_without_weight_or_bias_stays_an_aten_call_and_says_why():
+    m = layer_norm(17, affine=False)
+    x = torch.randn(4, 17)
+    compiled = check_model(m, (x,), externs=1)
+    assert "without both weight and bias" in compiled.programs()[0].externs[0][1]
+
+
+def test_layer_norm_of_many_batch_sizes_is_one_generic_program():
+    m = layer_norm(40)
+    compiled = braze.compile(m)
+    for batch in (3, 5, 1, 17, 64):
+        check_model(m, (torch.randn(batch, 7, 40),), compiled=compiled, externs=0)
+    assert len(compiled.compilations) <= 3, [c.why for c in compiled.compilations]
+
+
+def test_layer_norm_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    monkeypatch.setattr(rows, "layer_norm_same", lambda: False)
+    compiled = check_model(layer_norm(16), (torch.randn(4, 16),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_probe_sees_a_kernel_that_is_one_rounding_off(monkeypatch):
+    # The probe must be able to fail: a kernel whose variance is off by one ulp in one row.
+    real = rows.layer_norm_rows
+
+    def off(x, w, b, eps):
+        y = real(x, w, b, eps)
+        y.view(-1)[-1] = torch.nextafter(y.view(-1)[-1], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(rows, "layer_norm_rows", off)
+    rows._layer_norm_same.cache_clear()
+    try:
+        assert not rows.layer_norm_same()
+    finally:
+        monkeypatch.undo()
+        rows._layer_norm_same.cache_clear()
+    assert rows.layer_norm_same()
