@@ -168,6 +168,8 @@ class ModuleBuilder:
                 self._vml(b, table, k)
             elif k.op is Op.LAYER_NORM:
                 self._layer_norm(b, table, k)
+            elif k.op is Op.ACTIVATION:
+                self._activation(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -285,6 +287,15 @@ class ModuleBuilder:
         kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, k.meta.numel)
+
+    def _activation(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """sleef.py's kernel over the elements: it splits them between threads as ATen does."""
+        from . import sleef  # built on this module's helpers
+
+        sleef.library()  # in the JIT before this module, which calls it by name
+        fn = self.declare(sleef.name(k.attrs["fn"]), VOID, [PTR, PTR, I64])
+        ptrs = [self.pointer(b, table, self.slot_of(name)) for name in (k.inputs[0], k.name)]
+        b.call(fn, [*ptrs, self.dim(b, table, k.meta.numel)])
 
     def _layer_norm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """rows.py's kernel over the rows, split between ATen's threads as its elementwise loops

@@ -45,6 +45,9 @@ class Op(enum.Enum):
     BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
     CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
     VML = "vml"  # MKL's vector math function attrs['fn'] (vmsExp...) on the input, as ATen calls it
+    # ATen's Sleef-based activation attrs['fn'] (sigmoid, silu) of a contiguous input, with
+    # ATen's loop: its threads' chunks, 32-element vector steps and scalar tails (sleef.py).
+    ACTIVATION = "activation"
     # Each row of inputs[0] (contiguous) normalised over its attrs['n'] elements, times inputs[1]
     # plus inputs[2], with ATen's arithmetic (rows.py); attrs: n, rows, eps.
     LAYER_NORM = "layer_norm"
@@ -57,7 +60,7 @@ BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
-KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.LAYER_NORM}) | ELEMENTWISE
+KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM}) | ELEMENTWISE
 
 # An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
 Operand = str | float | None

@@ -12,6 +12,7 @@ that decides whether a small GEMM may run on one thread (one_thread_same).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import os
 import threading
@@ -56,6 +57,8 @@ MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
 # passes: high accuracy, denormals kept, no error handling.
 VML_FUNCTIONS = ("vmsExp", "vmsTanh", "vmsErf")
 VML_MODE = 0x2 | 0x140000 | 0x100
+# Sleef's functions inside libtorch_cpu that ATen's vectorised kernels call (sleef.py).
+SLEEF_FUNCTIONS = ("Sleef_expf16_u10",)
 
 _C_API = (
     "PyObject_Vectorcall",
@@ -97,10 +100,11 @@ def _address(lib: Any, name: str) -> int:
 
 def _bind_symbols() -> None:
     cpu, libc = _torch_lib("libtorch_cpu.so"), ctypes.CDLL(None)
-    for name in ("sgemm_", "cblas_sgemm_batch", MKL_THREADS, MKL_SET_THREADS, *VML_FUNCTIONS):
+    for name in ("sgemm_", "cblas_sgemm_batch", MKL_THREADS, MKL_SET_THREADS, *VML_FUNCTIONS, *SLEEF_FUNCTIONS):
         llvm.add_symbol(name, _address(cpu, name))
+    llvm.add_symbol("expf", _address(ctypes.CDLL(ctypes.util.find_library("m")), "expf"))  # ATen's tails call it
     gomp = _torch_lib("libgomp.so.1")
-    for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"):
+    for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads"):
         llvm.add_symbol(name, _address(gomp, name))
     for name in _C_API:
         llvm.add_symbol(name, _address(ctypes.pythonapi, name))

@@ -47,6 +47,8 @@ NATIVE = [
     ("exp", torch.exp, 1),
     ("tanh", torch.tanh, 1),
     ("erf", torch.erf, 1),
+    ("sigmoid", torch.sigmoid, 1),
+    ("silu", F.silu, 1),
     ("rsqrt_of_sum", lambda x: torch.rsqrt(x * x + 1e-6), 1),
     ("relu", torch.relu, 1),
     ("F.relu", F.relu, 1),
@@ -197,8 +199,8 @@ def test_extern_ops_match_eager(name, fn, shape):
 
 
 def test_extern_between_native_kernels():
-    compiled = check_model(lambda x: torch.sigmoid(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
-    assert compiled.programs()[0].externs[0][0].endswith("sigmoid")
+    compiled = check_model(lambda x: torch.sin(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
+    assert compiled.programs()[0].externs[0][0].endswith("sin")
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -278,3 +280,49 @@ def test_vector_math_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
     monkeypatch.setattr(jit, "vml_same", lambda name: False)
     compiled = check_model(torch.tanh, (special(7, 33),), externs=1)
     assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("op", [torch.sigmoid, F.silu], ids=["sigmoid", "silu"])
+def test_sleef_activations_take_atens_loop_across_threads_and_lengths(op, n, threads):
+    # Sleef in ATen's vector body, glibc in its scalar tails; from 32768 elements a tail per thread.
+    threads(n)
+    for length in (31, 32, 33, 65, 32767, 32768, 32769, 65536 + 33, 100003):
+        check_model(op, (special(length) * 20,), kernels=1, externs=0)
+    check_model(op, (special(7, 33).t(),), externs=1)  # strided: ATen's loop differs; its call
+
+
+def test_gated_mlp_of_llama_is_native():
+    torch.manual_seed(0)
+    gate, up, down = (torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 32))
+
+    def mlp(x):
+        return down(F.silu(gate(x)) * up(x))
+
+    check_model(mlp, (torch.randn(5, 7, 32),), externs=0)
+
+
+def test_sleef_activations_fall_back_to_aten_when_their_probe_disagrees(monkeypatch):
+    from braze import sleef
+
+    monkeypatch.setattr(sleef, "_same", lambda fn, threads: False)
+    compiled = check_model(torch.sigmoid, (special(7, 33),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_sleef_probe_sees_a_tail_computed_as_the_body(monkeypatch):
+    from braze import sleef
+
+    real = sleef.run
+
+    def all_vector(fn, x):  # the tail through Sleef too: what a kernel without ATen's loop gives
+        padded = torch.cat([x, torch.zeros(-x.numel() % 32)])
+        return real(fn, padded)[: x.numel()]
+
+    monkeypatch.setattr(sleef, "run", all_vector)
+    sleef._same.cache_clear()
+    try:
+        assert not sleef._same("silu", torch.get_num_threads())
+    finally:
+        monkeypatch.undo()
+        sleef._same.cache_clear()

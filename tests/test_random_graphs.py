@@ -92,4 +92,6 @@ def test_random_mlps_stay_exact_as_the_batch_changes(case, batches):
         for n in batches:
             x = torch.randn(n, *batch[1:], width)
             assert_same(compiled(x), model(x))
-    assert len(compiled.compilations) <= len(set(batches))
+    # One program per size at most, plus the generic one: built at a size its family may leave out
+    # (a batch of 1 that ATen lowers otherwise), which is then compiled for itself too.
+    assert len(compiled.compilations) <= len(set(batches)) + 1

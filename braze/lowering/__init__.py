@@ -38,6 +38,7 @@ from .elementwise import (
     _relu6,
     _rsqrt,
     _rsub,
+    _sleef,
     _threshold,
     _unary,
     _vml,
@@ -105,6 +106,8 @@ def _rows() -> None:
     register(torch.exp, "exp", "exp_")(_vml("exp"))
     register(torch.tanh, "tanh", "tanh_", nn.Tanh)(_vml("tanh"))
     register(torch.erf, "erf", "erf_")(_vml("erf"))
+    register(torch.sigmoid, F.sigmoid, "sigmoid", "sigmoid_", nn.Sigmoid)(_sleef("sigmoid"))
+    register(F.silu, nn.SiLU)(_sleef("silu"))
     register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
     register(torch.square, "square", "square_")(_pow_by(2))
     register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import jit
+from .. import jit, sleef
 from ..ir import Op
 from .core import Lowerer, NotNative, Sym, no_out, to_meta
 
@@ -186,6 +186,26 @@ def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     if not jit.rsqrt_is_ieee():
         raise NotNative("a probe found ATen's rsqrt is not 1 / sqrt in IEEE arithmetic here")
     return lw.elementwise(Op.RSQRT, (args[0],), out)
+
+
+def _sleef(name: str) -> Callable[..., Sym]:
+    """sigmoid, silu: sleef.py's kernels, which take ATen's loop (Sleef in the vector body,
+    glibc in the scalar tails, the threads' chunks), on a contiguous input, where a probe shows
+    they give ATen's bits."""
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.is_contiguous()):
+            raise NotNative(f"{name} of a tensor that is not contiguous float32 (ATen loops over it otherwise)")
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
+            raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
+        why = sleef.why_not(name)
+        if why:
+            raise NotNative(why)
+        return lw.emit(Op.ACTIVATION, (x.name,), out, fn=name)
+
+    return row
 
 
 def _vml(name: str) -> Callable[..., Sym]:

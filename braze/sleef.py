@@ -1,0 +1,154 @@
+"""ATen's Sleef-based float32 activations (sigmoid, silu), reproduced with ATen's loop: built
+once per process into the JIT, probed against ATen before use, called by programs by name.
+
+Why a loop of its own: these kernels give different bits in the vector body (Sleef's expf16_u10,
+16 lanes, two vectors a step) and in the scalar tail (glibc's expf) of ATen's vectorized_loop,
+and from 32768 elements each of ATen's threads has its own tail. So the kernel takes ATen's
+structure too: the contiguous elements split into min(threads, ceil(n / 32768)) equal chunks
+(at::parallel_for), each run as 32-element vector steps, then element by element.
+
+    braze_<fn>(x, y, n)    fn: sigmoid = 1 / (1 + exp(0 - x)), silu = x / (1 + exp(-x))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import llvmlite.ir as ll
+import torch
+
+from . import jit
+from .codegen import F32, I32, I64, PTR, VOID, counted_loop
+
+LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
+STEP = 2 * LANES  # vectorized_loop handles two vectors a step
+GRAIN = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits between threads from here
+V16 = ll.VectorType(F32, LANES)
+FUNCTIONS = ("sigmoid", "silu")
+CAPABILITY = "AVX512"
+
+
+def name(fn: str) -> str:
+    return f"braze_{fn}"
+
+
+def _formula(fn: str, b: ll.IRBuilder, x: ll.Value, exp: ll.Function) -> ll.Value:
+    """ATen's arithmetic: the same in the body (x a vector, exp Sleef's) and the tail (glibc's)."""
+    vector = isinstance(x.type, ll.VectorType)
+    one = ll.Constant(x.type, [1.0] * LANES if vector else 1.0)
+    if fn == "sigmoid":  # body: (0 - x); tail: -x. Both exp(..) + 1, then 1 / that
+        zero = ll.Constant(x.type, [0.0] * LANES if vector else 0.0)
+        e = b.call(exp, [b.fsub(zero, x) if vector else b.fneg(x)])
+        return b.fdiv(one, b.fadd(e, one) if vector else b.fadd(one, e))
+    e = b.call(exp, [b.fneg(x)])
+    return b.fdiv(x, b.fadd(one, e))
+
+
+def _chunk(module: ll.Module, fn: str) -> ll.Function:
+    """ATen's vectorized_loop over one contiguous chunk: (x, y, n)."""
+    f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), f"{name(fn)}_chunk")
+    f.linkage = "internal"
+    x, y, n = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    sleef = module.globals.get("Sleef_expf16_u10") or ll.Function(
+        module, ll.FunctionType(V16, [V16]), "Sleef_expf16_u10"
+    )
+    expf = module.globals.get("expf") or ll.Function(module, ll.FunctionType(F32, [F32]), "expf")
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    body_end = b.mul(b.sdiv(n, I64(STEP)), I64(STEP))
+    with counted_loop(b, I64(0), body_end, STEP) as i:
+        for k in (0, LANES):
+            j = b.add(i, I64(k))
+            v = b.load(at(x, j), typ=V16, align=4)
+            b.store(_formula(fn, b, v, sleef), at(y, j), align=4)
+    with counted_loop(b, body_end, n) as i:
+        b.store(_formula(fn, b, b.load(at(x, i), typ=F32), expf), at(y, i))
+    b.ret_void()
+    return f
+
+
+def _entry(module: ll.Module, fn: str) -> None:
+    """braze_<fn>(x, y, n): ATen's split between threads, then each chunk."""
+    chunk = _chunk(module, fn)
+    decl = lambda n, ret, args: module.globals.get(n) or ll.Function(module, ll.FunctionType(ret, args), n)  # noqa: E731
+    max_threads = decl("omp_get_max_threads", I32, [])
+    thread_num = decl("omp_get_thread_num", I32, [])
+    gomp = decl("GOMP_parallel", VOID, [PTR, PTR, I32, I32])
+
+    team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{name(fn)}_team")
+    team.linkage = "internal"
+    tb = ll.IRBuilder(team.append_basic_block("entry"))
+    word = lambda i, ty: tb.load(tb.gep(team.args[0], [I64(i)], source_etype=I64), typ=ty)  # noqa: E731
+    x, y, n, size = word(0, PTR), word(1, PTR), word(2, I64), word(3, I64)
+    start = tb.mul(tb.sext(tb.call(thread_num, []), I64), size)
+    with tb.if_then(tb.icmp_signed("<", start, n)):
+        stop = tb.add(start, size)
+        stop = tb.select(tb.icmp_signed("<", stop, n), stop, n)
+        src, dst = (tb.gep(p, [start], source_etype=F32) for p in (x, y))
+        tb.call(chunk, [src, dst, tb.sub(stop, start)])
+    tb.ret_void()
+
+    f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), name(fn))
+    x, y, n = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    threads = b.sext(b.call(max_threads, []), I64)
+    parts = b.sdiv(b.add(n, I64(GRAIN - 1)), I64(GRAIN))
+    parts = b.select(b.icmp_signed("<", threads, parts), threads, parts)
+    serial = b.or_(b.icmp_signed("<", n, I64(GRAIN)), b.icmp_signed("==", threads, I64(1)))
+    with b.if_else(serial) as (one, many):
+        with one:
+            b.call(chunk, [x, y, n])
+        with many:
+            args = b.alloca(I64, size=I64(4))
+            size = b.sdiv(b.add(n, b.sub(parts, I64(1))), parts)
+            for i, v in enumerate((b.ptrtoint(x, I64), b.ptrtoint(y, I64), n, size)):
+                b.store(v, b.gep(args, [I64(i)], source_etype=I64))
+            b.call(gomp, [team, args, b.trunc(parts, I32), I32(0)])
+    b.ret_void()
+
+
+@functools.cache
+def library() -> dict[str, int]:
+    """Build the kernels into the JIT (once per process); their addresses by name."""
+    module = ll.Module("braze_sleef")
+    for fn in FUNCTIONS:
+        _entry(module, fn)
+    names = [name(fn) for fn in FUNCTIONS]
+    compiled = jit.compile_module(str(module), names, opt_level=2, want_text=False)
+    jit.define_symbols(compiled.addresses)
+    return compiled.addresses
+
+
+def run(fn: str, x: torch.Tensor) -> torch.Tensor:
+    """The native kernel on a contiguous float32 tensor (for the probe)."""
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(library()[name(fn)])
+    y = torch.empty_like(x)
+    kernel(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+def why_not(fn: str) -> str | None:
+    """None where braze's `fn` gives ATen's bits here, else why it is not used. Probed once per
+    process and thread count: lengths around the 32-element step, the 32768-element split and
+    the threads' chunks; special values; magnitudes where exp overflows and underflows."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap != CAPABILITY:
+        return f"ATen runs its {cap} kernels here; braze reproduces the {CAPABILITY} ones"
+    if not _same(fn, torch.get_num_threads()):
+        return f"a probe found braze's {fn} does not give ATen's bits here"
+    return None
+
+
+@functools.cache
+def _same(fn: str, threads: int) -> bool:  # threads: in the cache key
+    aten = getattr(torch, fn) if fn == "sigmoid" else torch.nn.functional.silu
+    gen = torch.Generator().manual_seed(0)
+    special = [0.0, -0.0, 1e-45, -1e-40, 88.7, -88.8, 104.0, -104.0, 3e38, float("inf"), -float("inf")]
+    for n in (1, 31, 32, 33, 63, 64, 65, 1000, 32767, 32768, 32769, 65536 + 57, 3 * 32768 + 5):
+        x = (torch.rand(n, generator=gen) - 0.5) * 40
+        x[: min(n, len(special))] = torch.tensor(special[:n])
+        if not jit.same_bits(run(fn, x), aten(x), nan_payloads=False):
+            return False
+    nan = torch.tensor([float("nan"), 1.0] * 20)
+    return jit.same_bits(run(fn, nan), aten(nan), nan_payloads=False)
