@@ -166,8 +166,8 @@ class ModuleBuilder:
                 self._cat(b, table, k)
             elif k.op is Op.VML:
                 self._vml(b, table, k)
-            elif k.op is Op.LAYER_NORM:
-                self._layer_norm(b, table, k)
+            elif k.op in (Op.LAYER_NORM, Op.SOFTMAX):
+                self._rows(b, table, k)
             elif k.op is Op.ACTIVATION:
                 self._activation(b, table, k)
             else:
@@ -297,19 +297,24 @@ class ModuleBuilder:
         ptrs = [self.pointer(b, table, self.slot_of(name)) for name in (k.inputs[0], k.name)]
         b.call(fn, [*ptrs, self.dim(b, table, k.meta.numel)])
 
-    def _layer_norm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+    def _rows(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """rows.py's kernel over the rows, split between ATen's threads as its elementwise loops
         are (each row is computed whole by one thread, as in ATen: the split cannot change bits)."""
         from . import rows  # built on this module's helpers
 
         rows.library()  # in the JIT before this module, which calls it by name
-        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("layer_norm"))
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique(k.op.value))
         kern.linkage = "internal"
         kb = ll.IRBuilder(kern.append_basic_block("entry"))
         tbl, lo, hi = kern.args
         ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
-        fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
-        kb.call(fn, [*ptrs, I64(k.attrs["n"]), lo, hi, F32(k.attrs["eps"])])
+        n = self.dim(kb, tbl, k.attrs["n"])
+        if k.op is Op.LAYER_NORM:
+            fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
+            kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
+        else:
+            fn = self.declare(rows.SOFTMAX, VOID, [PTR, PTR, I64, I64, I64])
+            kb.call(fn, [*ptrs, n, lo, hi])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, k.attrs["rows"])
 

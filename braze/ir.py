@@ -51,6 +51,7 @@ class Op(enum.Enum):
     # Each row of inputs[0] (contiguous) normalised over its attrs['n'] elements, times inputs[1]
     # plus inputs[2], with ATen's arithmetic (rows.py); attrs: n, rows, eps.
     LAYER_NORM = "layer_norm"
+    SOFTMAX = "softmax"  # each row of inputs[0] (contiguous, attrs n long), as ATen (rows.py); attrs: n, rows
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -60,7 +61,7 @@ BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
-KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM}) | ELEMENTWISE
+KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX}) | ELEMENTWISE
 
 # An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
 Operand = str | float | None

@@ -1,27 +1,32 @@
 """Row kernels: native functions over the rows of a tensor that reproduce ATen's float32 CPU
-kernels bit for bit (layer_norm), built once per process into the JIT and called by programs.
+kernels bit for bit (layer_norm, softmax), built once per process into the JIT and called by programs.
 
 Their arithmetic follows ATen's as this wheel compiled it (../shared/notes/aten-bits.md): the
 order of every operation, which products GCC fused into FMAs, the vector width of the kernel
-ATen dispatches to (its layer_norm exists only as an AVX2 build: 8 lanes). A probe compares
+ATen dispatches to (its layer_norm exists only as an AVX2 build: 8 lanes; its softmax runs the
+AVX512 build: 16). A probe compares
 each with ATen before any program uses it (`layer_norm_same`); a kernel that disagrees is never
 called and the op stays an ATen call, saying why.
 
     braze_layer_norm_rows(x, weight, bias, y, n, lo, hi, eps)
         rows lo..hi of a contiguous [rows, n] x: y = (x - mean) * rstd * weight + bias, with
         mean and variance from ATen's RowwiseMoments (a Welford cascade), rstd = 1/sqrt(var+eps)
+    braze_softmax_rows(x, y, n, lo, hi)
+        ATen's AVX512 softmax over each row: its 16-lane max, Sleef's exp of x - max on every
+        element, its 16-lane sum, then y = e * (1 / sum)
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I64, PTR, VOID, counted_loop
+from .codegen import F32, I32, I64, PTR, VOID, counted_loop
 
 LANES = 8  # ATen's layer_norm kernel is an AVX2 build here: Vectorized<float> has 8 lanes
 CHUNK = 16  # vectors per Welford chunk (kChunkSize)
@@ -30,9 +35,9 @@ V8 = ll.VectorType(F32, LANES)
 LAYER_NORM = "braze_layer_norm_rows"
 
 
-def _splat(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
+def _splat(b: ll.IRBuilder, x: ll.Value, lanes: int = LANES) -> ll.Value:
     one = b.insert_element(ll.Constant(ll.VectorType(F32, 1), ll.Undefined), x, I64(0))
-    return b.shuffle_vector(one, one, ll.Constant(ll.VectorType(ll.IntType(32), LANES), [0] * LANES))
+    return b.shuffle_vector(one, one, ll.Constant(ll.VectorType(ll.IntType(32), lanes), [0] * lanes))
 
 
 def _fma(b: ll.IRBuilder, x: ll.Value, y: ll.Value, z: ll.Value) -> ll.Value:
@@ -206,13 +211,117 @@ def _layer_norm(module: ll.Module) -> None:
     b.ret_void()
 
 
+# --- softmax over the last dimension (ATen's AVX512 _vec_softmax_lastdim: 16 lanes) -----------
+WIDE = 16
+V16 = ll.VectorType(F32, WIDE)
+SOFTMAX = "braze_softmax_rows"
+
+
+def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
+    """vec::maximum: max_ps(x, y) (y where they compare equal or unordered), all-ones NaN where
+    either is NaN."""
+    ty = x.type
+    n = ty.count if isinstance(ty, ll.VectorType) else None
+    ones = b.bitcast(ll.Constant(ll.VectorType(I32, n), [-1] * n) if n else I32(-1), ty)
+    return b.select(b.fcmp_unordered("uno", x, y), ones, b.select(b.fcmp_ordered(">", x, y), x, y))
+
+
+def _partial(b: ll.IRBuilder, ptr: ll.Value, count: ll.Value, store: ll.Value | None = None) -> ll.Value | None:
+    """Vectorized::loadu(ptr, count) (lanes past count are 0) or store(ptr, count)."""
+    lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
+    limit = b.shuffle_vector(
+        b.insert_element(ll.Constant(ll.VectorType(I32, 1), ll.Undefined), b.trunc(count, I32), I64(0)),
+        ll.Constant(ll.VectorType(I32, 1), ll.Undefined),
+        ll.Constant(ll.VectorType(I32, WIDE), [0] * WIDE),
+    )
+    mask = b.icmp_signed("<", lanes, limit)
+    m = b.module
+    if store is None:
+        name = "llvm.masked.load.v16f32.p0"
+        fn = m.globals.get(name) or ll.Function(m, ll.FunctionType(V16, [PTR, I32, mask.type, V16]), name)
+        return b.call(fn, [ptr, I32(4), mask, ll.Constant(V16, [0.0] * WIDE)])
+    name = "llvm.masked.store.v16f32.p0"
+    fn = m.globals.get(name) or ll.Function(m, ll.FunctionType(VOID, [V16, PTR, I32, mask.type]), name)
+    b.call(fn, [store, ptr, I32(4), mask])
+    return None
+
+
+def _reduce_all(b: ll.IRBuilder, op: Callable, x: ll.Value, n: ll.Value) -> ll.Value:
+    """vec::reduce_all(op, x, n): under 16 elements, op over them in order; else a 16-lane
+    accumulator over whole vectors, the partial last one merged into its first lanes, then
+    lanes i and i^8, i^4, i^2, i^1 combined (op(v, shuffled v) each time)."""
+    result = b.alloca(F32)
+    with b.if_else(b.icmp_signed("<", n, I64(WIDE))) as (short, long):
+        with short:
+            b.store(b.load(x, typ=F32), result)
+            with counted_loop(b, I64(1), n) as i:
+                b.store(op(b, b.load(result, typ=F32), b.load(b.gep(x, [i], source_etype=F32), typ=F32)), result)
+        with long:
+            acc = b.alloca(V16)
+            b.store(b.load(x, typ=V16, align=4), acc)
+            whole = b.sub(n, b.srem(n, I64(WIDE)))
+            with counted_loop(b, I64(WIDE), whole, WIDE) as d:
+                v = b.load(b.gep(x, [d], source_etype=F32), typ=V16, align=4)
+                b.store(op(b, b.load(acc, typ=V16), v), acc)
+            rest = b.sub(n, whole)
+            with b.if_then(b.icmp_signed(">", rest, I64(0))):
+                tail = _partial(b, b.gep(x, [whole], source_etype=F32), rest)
+                a = b.load(acc, typ=V16)
+                lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
+                limit = b.shuffle_vector(
+                    b.insert_element(ll.Constant(ll.VectorType(I32, 1), ll.Undefined), b.trunc(rest, I32), I64(0)),
+                    ll.Constant(ll.VectorType(I32, 1), ll.Undefined),
+                    ll.Constant(ll.VectorType(I32, WIDE), [0] * WIDE),
+                )
+                b.store(b.select(b.icmp_signed("<", lanes, limit), op(b, a, tail), a), acc)
+            v = b.load(acc, typ=V16)
+            for step in (8, 4, 2, 1):
+                mask = ll.Constant(ll.VectorType(I32, WIDE), [i ^ step for i in range(WIDE)])
+                v = op(b, v, b.shuffle_vector(v, v, mask))
+            b.store(b.extract_element(v, I64(0)), result)
+    return b.load(result, typ=F32)
+
+
+def _softmax(module: ll.Module) -> None:
+    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64]), SOFTMAX)
+    x, y, n, lo, hi = fn.args
+    b = ll.IRBuilder(fn.append_basic_block("entry"))
+    exp = module.globals.get("Sleef_expf16_u10") or ll.Function(module, ll.FunctionType(V16, [V16]), "Sleef_expf16_u10")
+
+    def vmap(src: ll.Value, dst: ll.Value, f: Callable[[ll.Value], ll.Value]) -> None:
+        """vec::map: whole vectors, then the partial last one (its lanes past n are zeros)."""
+        whole = b.sub(n, b.srem(n, I64(WIDE)))
+        with counted_loop(b, I64(0), whole, WIDE) as d:
+            v = b.load(b.gep(src, [d], source_etype=F32), typ=V16, align=4)
+            b.store(f(v), b.gep(dst, [d], source_etype=F32), align=4)
+        rest = b.sub(n, whole)
+        with b.if_then(b.icmp_signed(">", rest, I64(0))):
+            _partial(
+                b,
+                b.gep(dst, [whole], source_etype=F32),
+                rest,
+                f(_partial(b, b.gep(src, [whole], source_etype=F32), rest)),
+            )
+
+    with counted_loop(b, lo, hi) as r:
+        xr = b.gep(x, [b.mul(r, n)], source_etype=F32)
+        yr = b.gep(y, [b.mul(r, n)], source_etype=F32)
+        top = _splat(b, _reduce_all(b, _maximum, xr, n), WIDE)
+        vmap(xr, yr, lambda v: b.call(exp, [b.fsub(v, top)]))
+        total = _reduce_all(b, lambda b, p, q: b.fadd(p, q), yr, n)
+        scale = _splat(b, b.fdiv(F32(1.0), total), WIDE)
+        vmap(yr, yr, lambda v: b.fmul(v, scale))
+    b.ret_void()
+
+
 @functools.cache
 def library() -> dict[str, int]:
     """Build the row kernels into the JIT (once per process); their addresses by name, which
     programs compiled later may also call by name."""
     module = ll.Module("braze_rows")
     _layer_norm(module)
-    compiled = jit.compile_module(str(module), [LAYER_NORM], opt_level=2, want_text=False)
+    _softmax(module)
+    compiled = jit.compile_module(str(module), [LAYER_NORM, SOFTMAX], opt_level=2, want_text=False)
     jit.define_symbols(compiled.addresses)
     return compiled.addresses
 
@@ -255,3 +364,34 @@ def _layer_norm_same() -> bool:
         torch.nn.functional.layer_norm(specials, (3,), w, bias),
         nan_payloads=False,
     )
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The native softmax over the last dimension of a contiguous float32 x (for the probe)."""
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3)(library()[SOFTMAX])
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    kernel(x.data_ptr(), y.data_ptr(), n, 0, x.numel() // max(n, 1))
+    return y
+
+
+def softmax_same() -> bool:
+    """Whether the native softmax gives ATen's bits here: row lengths around its 16-lane vectors,
+    values of many scales, rows with NaN, infinities and signed zeros. Once per process (rows
+    never split between threads in either)."""
+    return _softmax_same()
+
+
+@functools.cache
+def _softmax_same() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 15, 16, 17, 31, 32, 33, 100, 128, 257, 1000, 4099):
+        x = torch.randn(4, n, generator=gen) * torch.tensor([0.01, 1.0, 30.0, 1e3]).unsqueeze(1)
+        if not jit.same_bits(softmax_rows(x), torch.softmax(x, -1), nan_payloads=False):
+            return False
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor(
+        [[1.0, nan, 2.0], [inf, 1.0, 0.0], [-inf, -inf, -inf], [-0.0, 0.0, -0.0], [88.0, 0.0, -90.0]]
+    )
+    special = special.repeat(1, 7)
+    return jit.same_bits(softmax_rows(special), torch.softmax(special, -1), nan_payloads=False)

@@ -179,7 +179,7 @@ EXTERN = [
     ("softplus", F.softplus),
     ("elu", F.elu),
     ("mish", F.mish),
-    ("softmax", lambda x: torch.softmax(x, -1)),
+    ("softmax_dim0", lambda x: torch.softmax(x, 0)),
     ("log_softmax", lambda x: F.log_softmax(x, -1)),
     ("layer_norm", lambda x: F.layer_norm(x, x.shape[-1:])),
     ("sum", lambda x: x.sum(-1)),

@@ -100,3 +100,58 @@ def test_the_probe_sees_a_kernel_that_is_one_rounding_off(monkeypatch):
         monkeypatch.undo()
         rows._layer_norm_same.cache_clear()
     assert rows.layer_norm_same()
+
+
+SOFTMAX_LENGTHS = [1, 7, 15, 16, 17, 31, 32, 33, 257, 32769]
+
+
+@pytest.mark.parametrize("n", SOFTMAX_LENGTHS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_softmax_is_native_and_exact(n, n_threads, threads):
+    threads(n_threads)
+    x = special(3, n) * torch.tensor([[0.1], [10.0], [1e3]])
+    check_model(lambda t: torch.softmax(t, -1), (x,), kernels=1, externs=0)
+
+
+def test_softmax_forms_layouts_and_special_rows():
+    inf, nan = float("inf"), float("nan")
+    rows_ = torch.tensor([[1.0, nan, 2.0], [inf, 1.0, 0.0], [-inf, -inf, -inf], [-0.0, 0.0, -0.0]]).repeat(2, 11)
+    check_model(lambda t: F.softmax(t, dim=-1), (rows_,), kernels=1, externs=0)
+    check_model(torch.nn.Softmax(dim=2), (torch.randn(2, 3, 40),), kernels=1, externs=0)
+    check_model(lambda t: t.softmax(-1), (torch.randn(40, 6).t(),), kernels=2, externs=0)  # copied first, as ATen
+    check_model(lambda t: torch.softmax(t, -1), (torch.randn(0, 9),), externs=0)
+    compiled = check_model(lambda t: torch.softmax(t, 0), (torch.randn(5, 9),), externs=1)
+    assert "other than the last" in compiled.programs()[0].externs[0][1]
+
+
+def test_attention_written_by_hand_is_native_for_every_sequence_length():
+    def attention(q, k, v, mask):
+        scores = q @ k.transpose(-1, -2) * 0.125 + mask
+        return torch.softmax(scores, -1) @ v
+
+    compiled = braze.compile(attention)
+    for s in (9, 12, 31, 64):
+        q, k, v = (torch.randn(8, s, 16) for _ in range(3))  # batch x heads folded, as bmm takes them
+        mask = torch.zeros(s, s).masked_fill(torch.ones(s, s).triu(1).bool(), -float("inf"))
+        check_model(attention, (q, k, v, mask), compiled=compiled, externs=0)
+    assert len(compiled.compilations) <= 3, [c.why for c in compiled.compilations]
+
+
+def test_softmax_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    monkeypatch.setattr(rows, "softmax_same", lambda: False)
+    compiled = check_model(lambda t: torch.softmax(t, -1), (torch.randn(4, 16),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_softmax_probe_sees_a_sum_in_another_order(monkeypatch):
+    def in_order(x):  # a plain sequential sum: what a kernel without ATen's lanes gives
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        return e * (1 / e.double().cumsum(-1)[..., -1:].float())
+
+    monkeypatch.setattr(rows, "softmax_rows", in_order)
+    rows._softmax_same.cache_clear()
+    try:
+        assert not rows.softmax_same()
+    finally:
+        monkeypatch.undo()
+        rows._softmax_same.cache_clear()

@@ -11,7 +11,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     elementwise.py  arithmetic, comparisons, activations, clamps
     views.py        views, conversions, cat/stack, identity, dropout
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
-    rows.py         layer_norm through braze's row kernels
+    rows.py         layer_norm, softmax through braze's row kernels
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .elementwise import (
     _where,
 )
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
-from .rows import _layer_norm
+from .rows import _layer_norm, _softmax
 from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op
 
 __all__ = [
@@ -161,6 +161,7 @@ def _rows() -> None:
     register(nn.Flatten, nn.Unflatten)(_view_op)
     register(operator.getitem, "__getitem__")(_getitem)
     register(F.layer_norm, torch.layer_norm, nn.LayerNorm)(_layer_norm)
+    register(torch.softmax, F.softmax, "softmax", nn.Softmax)(_softmax)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

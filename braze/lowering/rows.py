@@ -1,5 +1,5 @@
-"""Row kernels: layer_norm through braze's native kernel (braze/rows.py), where a probe shows it
-gives ATen's bits."""
+"""Row kernels: layer_norm and softmax through braze's native kernels (braze/rows.py), where a
+probe shows they give ATen's bits."""
 
 from __future__ import annotations
 
@@ -53,3 +53,26 @@ def _layer_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         raise NotNative("a probe found braze's layer_norm does not give ATen's bits here")
     x = lw.view(x, lambda t: t.contiguous())
     return lw.emit(Op.LAYER_NORM, (x.name, w.name, b.name), out, n=n, rows=out.numel() // n, eps=eps)
+
+
+def _softmax(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's softmax over the last dimension: the input made contiguous, then rows.py's kernel
+    on each row (other dimensions run ATen's other kernel, with another order: its call)."""
+    no_out(kwargs)
+    if isinstance(fn, torch.nn.Softmax):
+        x, dim, dtype = args[0], fn.dim, None
+    else:
+        names = ("input", "dim", "_stacklevel", "dtype")
+        given = dict(zip(names, args)) | kwargs
+        x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
+    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
+        raise NotNative("softmax of a tensor that is not float32 with dimensions")
+    if not isinstance(dim, int) or dim not in (-1, x.meta.dim() - 1) or dtype not in (None, torch.float32):
+        raise NotNative("softmax over a dimension other than the last (ATen's other kernel), or another dtype")
+    n = x.meta.shape[-1]
+    if n == 0 or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise NotNative("softmax of empty rows, or a result braze does not expect")
+    if not rows.softmax_same():
+        raise NotNative("a probe found braze's softmax does not give ATen's bits here")
+    x = lw.view(x, lambda t: t.contiguous())
+    return lw.emit(Op.SOFTMAX, (x.name,), out, n=n, rows=out.numel() // n)
