@@ -313,7 +313,7 @@ class ModuleBuilder:
             fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
             kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
         else:
-            fn = self.declare(rows.SOFTMAX, VOID, [PTR, PTR, I64, I64, I64])
+            fn = self.declare(rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX, VOID, [PTR, PTR, I64, I64, I64])
             kb.call(fn, [*ptrs, n, lo, hi])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, k.attrs["rows"])

@@ -51,7 +51,9 @@ class Op(enum.Enum):
     # Each row of inputs[0] (contiguous) normalised over its attrs['n'] elements, times inputs[1]
     # plus inputs[2], with ATen's arithmetic (rows.py); attrs: n, rows, eps.
     LAYER_NORM = "layer_norm"
-    SOFTMAX = "softmax"  # each row of inputs[0] (contiguous, attrs n long), as ATen (rows.py); attrs: n, rows
+    # (log_)softmax of each row of inputs[0] (contiguous, attrs n long), as ATen (rows.py); attrs:
+    # n, rows, log
+    SOFTMAX = "softmax"
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 

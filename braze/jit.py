@@ -58,7 +58,7 @@ MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
 VML_FUNCTIONS = ("vmsExp", "vmsTanh", "vmsErf")
 VML_MODE = 0x2 | 0x140000 | 0x100
 # Sleef's functions inside libtorch_cpu that ATen's vectorised kernels call (sleef.py).
-SLEEF_FUNCTIONS = ("Sleef_expf16_u10",)
+SLEEF_FUNCTIONS = ("Sleef_expf16_u10", "Sleef_logf16_u10")
 
 _C_API = (
     "PyObject_Vectorcall",

@@ -1,5 +1,5 @@
 """Row kernels: native functions over the rows of a tensor that reproduce ATen's float32 CPU
-kernels bit for bit (layer_norm, softmax), built once per process into the JIT and called by programs.
+kernels bit for bit (layer_norm, softmax, log_softmax), built once per process into the JIT and called by programs.
 
 Their arithmetic follows ATen's as this wheel compiled it (../shared/notes/aten-bits.md): the
 order of every operation, which products GCC fused into FMAs, the vector width of the kernel
@@ -14,6 +14,8 @@ called and the op stays an ATen call, saying why.
     braze_softmax_rows(x, y, n, lo, hi)
         ATen's AVX512 softmax over each row: its 16-lane max, Sleef's exp of x - max on every
         element, its 16-lane sum, then y = e * (1 / sum)
+    braze_log_softmax_rows(x, y, n, lo, hi)
+        the same max and sum, then y = (x - max) - Sleef's log of the sum
 """
 
 from __future__ import annotations
@@ -215,6 +217,7 @@ def _layer_norm(module: ll.Module) -> None:
 WIDE = 16
 V16 = ll.VectorType(F32, WIDE)
 SOFTMAX = "braze_softmax_rows"
+LOG_SOFTMAX = "braze_log_softmax_rows"
 
 
 def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
@@ -282,11 +285,12 @@ def _reduce_all(b: ll.IRBuilder, op: Callable, x: ll.Value, n: ll.Value) -> ll.V
     return b.load(result, typ=F32)
 
 
-def _softmax(module: ll.Module) -> None:
-    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64]), SOFTMAX)
+def _softmax(module: ll.Module, log: bool) -> None:
+    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64]), LOG_SOFTMAX if log else SOFTMAX)
     x, y, n, lo, hi = fn.args
     b = ll.IRBuilder(fn.append_basic_block("entry"))
-    exp = module.globals.get("Sleef_expf16_u10") or ll.Function(module, ll.FunctionType(V16, [V16]), "Sleef_expf16_u10")
+    sleef = lambda name: module.globals.get(name) or ll.Function(module, ll.FunctionType(V16, [V16]), name)  # noqa: E731
+    exp = sleef("Sleef_expf16_u10")
 
     def vmap(src: ll.Value, dst: ll.Value, f: Callable[[ll.Value], ll.Value]) -> None:
         """vec::map: whole vectors, then the partial last one (its lanes past n are zeros)."""
@@ -296,21 +300,23 @@ def _softmax(module: ll.Module) -> None:
             b.store(f(v), b.gep(dst, [d], source_etype=F32), align=4)
         rest = b.sub(n, whole)
         with b.if_then(b.icmp_signed(">", rest, I64(0))):
-            _partial(
-                b,
-                b.gep(dst, [whole], source_etype=F32),
-                rest,
-                f(_partial(b, b.gep(src, [whole], source_etype=F32), rest)),
-            )
+            last = _partial(b, b.gep(src, [whole], source_etype=F32), rest)
+            _partial(b, b.gep(dst, [whole], source_etype=F32), rest, f(last))
 
     with counted_loop(b, lo, hi) as r:
         xr = b.gep(x, [b.mul(r, n)], source_etype=F32)
         yr = b.gep(y, [b.mul(r, n)], source_etype=F32)
         top = _splat(b, _reduce_all(b, _maximum, xr, n), WIDE)
-        vmap(xr, yr, lambda v: b.call(exp, [b.fsub(v, top)]))
+        vmap(xr, yr, lambda v: b.call(exp, [b.fsub(v, top)]))  # log_softmax: map_reduce_all's map
         total = _reduce_all(b, lambda b, p, q: b.fadd(p, q), yr, n)
-        scale = _splat(b, b.fdiv(F32(1.0), total), WIDE)
-        vmap(yr, yr, lambda v: b.fmul(v, scale))
+        if log:  # y = (x - max) - log(sum), the log Sleef's (vec::map over the rows' sums)
+            logsum = _splat(
+                b, b.extract_element(b.call(sleef("Sleef_logf16_u10"), [_splat(b, total, WIDE)]), I64(0)), WIDE
+            )
+            vmap(xr, yr, lambda v: b.fsub(b.fsub(v, top), logsum))
+        else:
+            scale = _splat(b, b.fdiv(F32(1.0), total), WIDE)
+            vmap(yr, yr, lambda v: b.fmul(v, scale))
     b.ret_void()
 
 
@@ -320,8 +326,10 @@ def library() -> dict[str, int]:
     programs compiled later may also call by name."""
     module = ll.Module("braze_rows")
     _layer_norm(module)
-    _softmax(module)
-    compiled = jit.compile_module(str(module), [LAYER_NORM, SOFTMAX], opt_level=2, want_text=False)
+    _softmax(module, log=False)
+    _softmax(module, log=True)
+    names = [LAYER_NORM, SOFTMAX, LOG_SOFTMAX]
+    compiled = jit.compile_module(str(module), names, opt_level=2, want_text=False)
     jit.define_symbols(compiled.addresses)
     return compiled.addresses
 
@@ -366,32 +374,34 @@ def _layer_norm_same() -> bool:
     )
 
 
-def softmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """The native softmax over the last dimension of a contiguous float32 x (for the probe)."""
-    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3)(library()[SOFTMAX])
+def softmax_rows(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """The native (log_)softmax over the last dimension of a contiguous float32 x (for the probe)."""
+    address = library()[LOG_SOFTMAX if log else SOFTMAX]
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3)(address)
     n = x.shape[-1]
     y = torch.empty_like(x)
     kernel(x.data_ptr(), y.data_ptr(), n, 0, x.numel() // max(n, 1))
     return y
 
 
-def softmax_same() -> bool:
-    """Whether the native softmax gives ATen's bits here: row lengths around its 16-lane vectors,
-    values of many scales, rows with NaN, infinities and signed zeros. Once per process (rows
-    never split between threads in either)."""
-    return _softmax_same()
+def softmax_same(log: bool = False) -> bool:
+    """Whether the native softmax (log_softmax) gives ATen's bits here: row lengths around its
+    16-lane vectors, values of many scales, rows with NaN, infinities and signed zeros. Once per
+    process (rows never split between threads in either)."""
+    return _softmax_same(log)
 
 
 @functools.cache
-def _softmax_same() -> bool:
+def _softmax_same(log: bool) -> bool:
+    aten = torch.log_softmax if log else torch.softmax
     gen = torch.Generator().manual_seed(0)
     for n in (1, 2, 15, 16, 17, 31, 32, 33, 100, 128, 257, 1000, 4099):
         x = torch.randn(4, n, generator=gen) * torch.tensor([0.01, 1.0, 30.0, 1e3]).unsqueeze(1)
-        if not jit.same_bits(softmax_rows(x), torch.softmax(x, -1), nan_payloads=False):
+        if not jit.same_bits(softmax_rows(x, log), aten(x, -1), nan_payloads=False):
             return False
     inf, nan = float("inf"), float("nan")
     special = torch.tensor(
         [[1.0, nan, 2.0], [inf, 1.0, 0.0], [-inf, -inf, -inf], [-0.0, 0.0, -0.0], [88.0, 0.0, -90.0]]
     )
     special = special.repeat(1, 7)
-    return jit.same_bits(softmax_rows(special), torch.softmax(special, -1), nan_payloads=False)
+    return jit.same_bits(softmax_rows(special, log), aten(special, -1), nan_payloads=False)

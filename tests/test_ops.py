@@ -180,7 +180,7 @@ EXTERN = [
     ("elu", F.elu),
     ("mish", F.mish),
     ("softmax_dim0", lambda x: torch.softmax(x, 0)),
-    ("log_softmax", lambda x: F.log_softmax(x, -1)),
+    ("log_softmax_dim0", lambda x: F.log_softmax(x, 0)),
     ("layer_norm", lambda x: F.layer_norm(x, x.shape[-1:])),
     ("sum", lambda x: x.sum(-1)),
     ("mean", lambda x: x.mean()),

@@ -105,22 +105,33 @@ def test_the_probe_sees_a_kernel_that_is_one_rounding_off(monkeypatch):
 SOFTMAX_LENGTHS = [1, 7, 15, 16, 17, 31, 32, 33, 257, 32769]
 
 
+SOFTMAXES = {
+    "softmax": (torch.softmax, F.softmax, torch.nn.Softmax),
+    "log_softmax": (torch.log_softmax, F.log_softmax, torch.nn.LogSoftmax),
+}
+
+
+@pytest.mark.parametrize("kind", SOFTMAXES)
 @pytest.mark.parametrize("n", SOFTMAX_LENGTHS)
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_softmax_is_native_and_exact(n, n_threads, threads):
+def test_softmax_is_native_and_exact(kind, n, n_threads, threads):
     threads(n_threads)
     x = special(3, n) * torch.tensor([[0.1], [10.0], [1e3]])
-    check_model(lambda t: torch.softmax(t, -1), (x,), kernels=1, externs=0)
+    op = SOFTMAXES[kind][0]
+    check_model(lambda t: op(t, -1), (x,), kernels=1, externs=0)
 
 
-def test_softmax_forms_layouts_and_special_rows():
+@pytest.mark.parametrize("kind", SOFTMAXES)
+def test_softmax_forms_layouts_and_special_rows(kind):
+    op, functional, module = SOFTMAXES[kind]
     inf, nan = float("inf"), float("nan")
     rows_ = torch.tensor([[1.0, nan, 2.0], [inf, 1.0, 0.0], [-inf, -inf, -inf], [-0.0, 0.0, -0.0]]).repeat(2, 11)
-    check_model(lambda t: F.softmax(t, dim=-1), (rows_,), kernels=1, externs=0)
-    check_model(torch.nn.Softmax(dim=2), (torch.randn(2, 3, 40),), kernels=1, externs=0)
-    check_model(lambda t: t.softmax(-1), (torch.randn(40, 6).t(),), kernels=2, externs=0)  # copied first, as ATen
-    check_model(lambda t: torch.softmax(t, -1), (torch.randn(0, 9),), externs=0)
-    compiled = check_model(lambda t: torch.softmax(t, 0), (torch.randn(5, 9),), externs=1)
+    check_model(lambda t: functional(t, dim=-1), (rows_,), kernels=1, externs=0)
+    check_model(module(dim=2), (torch.randn(2, 3, 40),), kernels=1, externs=0)
+    method = getattr(torch.Tensor, kind)
+    check_model(lambda t: method(t, -1), (torch.randn(40, 6).t(),), kernels=2, externs=0)  # copied first, as ATen
+    check_model(lambda t: op(t, -1), (torch.randn(0, 9),), externs=0)
+    compiled = check_model(lambda t: op(t, 0), (torch.randn(5, 9),), externs=1)
     assert "other than the last" in compiled.programs()[0].externs[0][1]
 
 
@@ -138,20 +149,20 @@ def test_attention_written_by_hand_is_native_for_every_sequence_length():
 
 
 def test_softmax_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
-    monkeypatch.setattr(rows, "softmax_same", lambda: False)
+    monkeypatch.setattr(rows, "softmax_same", lambda log: False)
     compiled = check_model(lambda t: torch.softmax(t, -1), (torch.randn(4, 16),), externs=1)
     assert "probe" in compiled.programs()[0].externs[0][1]
 
 
 def test_the_softmax_probe_sees_a_sum_in_another_order(monkeypatch):
-    def in_order(x):  # a plain sequential sum: what a kernel without ATen's lanes gives
+    def in_order(x, log):  # a plain sequential sum: what a kernel without ATen's lanes gives
         e = torch.exp(x - x.amax(-1, keepdim=True))
         return e * (1 / e.double().cumsum(-1)[..., -1:].float())
 
     monkeypatch.setattr(rows, "softmax_rows", in_order)
     rows._softmax_same.cache_clear()
     try:
-        assert not rows.softmax_same()
+        assert not rows.softmax_same(False)
     finally:
         monkeypatch.undo()
         rows._softmax_same.cache_clear()

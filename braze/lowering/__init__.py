@@ -11,7 +11,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     elementwise.py  arithmetic, comparisons, activations, clamps
     views.py        views, conversions, cat/stack, identity, dropout
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
-    rows.py         layer_norm, softmax through braze's row kernels
+    rows.py         layer_norm, softmax, log_softmax through braze's row kernels
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def _rows() -> None:
     register(nn.Flatten, nn.Unflatten)(_view_op)
     register(operator.getitem, "__getitem__")(_getitem)
     register(F.layer_norm, torch.layer_norm, nn.LayerNorm)(_layer_norm)
-    register(torch.softmax, F.softmax, "softmax", nn.Softmax)(_softmax)
+    register(torch.softmax, F.softmax, "softmax", nn.Softmax)(_softmax(log=False))
+    register(torch.log_softmax, F.log_softmax, "log_softmax", nn.LogSoftmax)(_softmax(log=True))
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

@@ -1,9 +1,10 @@
-"""Row kernels: layer_norm and softmax through braze's native kernels (braze/rows.py), where a
+"""Row kernels: layer_norm, softmax and log_softmax through braze's native kernels (braze/rows.py), where a
 probe shows they give ATen's bits."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,24 +56,28 @@ def _layer_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     return lw.emit(Op.LAYER_NORM, (x.name, w.name, b.name), out, n=n, rows=out.numel() // n, eps=eps)
 
 
-def _softmax(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """ATen's softmax over the last dimension: the input made contiguous, then rows.py's kernel
-    on each row (other dimensions run ATen's other kernel, with another order: its call)."""
-    no_out(kwargs)
-    if isinstance(fn, torch.nn.Softmax):
-        x, dim, dtype = args[0], fn.dim, None
-    else:
-        names = ("input", "dim", "_stacklevel", "dtype")
-        given = dict(zip(names, args)) | kwargs
-        x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
-    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
-        raise NotNative("softmax of a tensor that is not float32 with dimensions")
-    if not isinstance(dim, int) or dim not in (-1, x.meta.dim() - 1) or dtype not in (None, torch.float32):
-        raise NotNative("softmax over a dimension other than the last (ATen's other kernel), or another dtype")
-    n = x.meta.shape[-1]
-    if n == 0 or not isinstance(out, torch.Tensor) or not out.is_contiguous():
-        raise NotNative("softmax of empty rows, or a result braze does not expect")
-    if not rows.softmax_same():
-        raise NotNative("a probe found braze's softmax does not give ATen's bits here")
-    x = lw.view(x, lambda t: t.contiguous())
-    return lw.emit(Op.SOFTMAX, (x.name,), out, n=n, rows=out.numel() // n)
+def _softmax(log: bool) -> Callable[..., Sym]:
+    """ATen's (log_)softmax over the last dimension: the input made contiguous, then rows.py's
+    kernel on each row (other dimensions run ATen's other kernel, with another order: its call)."""
+    label = "log_softmax" if log else "softmax"
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        if isinstance(fn, (torch.nn.Softmax, torch.nn.LogSoftmax)):
+            x, dim, dtype = args[0], fn.dim, None
+        else:
+            given = dict(zip(("input", "dim", "_stacklevel", "dtype"), args)) | kwargs
+            x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
+        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
+            raise NotNative(f"{label} of a tensor that is not float32 with dimensions")
+        if not isinstance(dim, int) or dim not in (-1, x.meta.dim() - 1) or dtype not in (None, torch.float32):
+            raise NotNative(f"{label} over a dimension other than the last (ATen's other kernel), or another dtype")
+        n = x.meta.shape[-1]
+        if n == 0 or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            raise NotNative(f"{label} of empty rows, or a result braze does not expect")
+        if not rows.softmax_same(log):
+            raise NotNative(f"a probe found braze's {label} does not give ATen's bits here")
+        x = lw.view(x, lambda t: t.contiguous())
+        return lw.emit(Op.SOFTMAX, (x.name,), out, n=n, rows=out.numel() // n, log=log)
+
+    return row
