@@ -166,7 +166,7 @@ class ModuleBuilder:
                 self._cat(b, table, k)
             elif k.op is Op.VML:
                 self._vml(b, table, k)
-            elif k.op in (Op.LAYER_NORM, Op.SOFTMAX):
+            elif k.op in (Op.LAYER_NORM, Op.SOFTMAX, Op.SUM):
                 self._rows(b, table, k)
             elif k.op is Op.ACTIVATION:
                 self._activation(b, table, k)
@@ -312,6 +312,9 @@ class ModuleBuilder:
         if k.op is Op.LAYER_NORM:
             fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
             kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
+        elif k.op is Op.SUM:
+            fn = self.declare(rows.SUM, VOID, [PTR, PTR, I64, I64, I64, ll.IntType(1)])
+            kb.call(fn, [*ptrs, n, lo, hi, ll.IntType(1)(int(k.attrs["mean"]))])
         else:
             fn = self.declare(rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX, VOID, [PTR, PTR, I64, I64, I64])
             kb.call(fn, [*ptrs, n, lo, hi])

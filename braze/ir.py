@@ -54,6 +54,7 @@ class Op(enum.Enum):
     # (log_)softmax of each row of inputs[0] (contiguous, attrs n long), as ATen (rows.py); attrs:
     # n, rows, log
     SOFTMAX = "softmax"
+    SUM = "sum"  # each row of inputs[0] (contiguous, attrs n long) summed as ATen; attrs: n, rows, mean
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -63,7 +64,10 @@ BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}
 # Ops whose value is computed by native code into its own buffer.
-KERNELS = frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX}) | ELEMENTWISE
+KERNELS = (
+    frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX, Op.SUM})
+    | ELEMENTWISE
+)
 
 # An operand is a value's name, a Python scalar baked into the code, or None (absent bias).
 Operand = str | float | None

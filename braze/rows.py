@@ -1,10 +1,11 @@
 """Row kernels: native functions over the rows of a tensor that reproduce ATen's float32 CPU
-kernels bit for bit (layer_norm, softmax, log_softmax), built once per process into the JIT and called by programs.
+kernels bit for bit (layer_norm, softmax, log_softmax, sum, mean), built once per process into
+the JIT and called by programs.
 
 Their arithmetic follows ATen's as this wheel compiled it (../shared/notes/aten-bits.md): the
 order of every operation, which products GCC fused into FMAs, the vector width of the kernel
-ATen dispatches to (its layer_norm exists only as an AVX2 build: 8 lanes; its softmax runs the
-AVX512 build: 16). A probe compares
+ATen dispatches to (its layer_norm and sum exist only as AVX2 builds: 8 lanes; its softmax runs
+the AVX512 build: 16). A probe compares
 each with ATen before any program uses it (`layer_norm_same`); a kernel that disagrees is never
 called and the op stays an ATen call, saying why.
 
@@ -16,6 +17,9 @@ called and the op stays an ATen call, saying why.
         element, its 16-lane sum, then y = e * (1 / sum)
     braze_log_softmax_rows(x, y, n, lo, hi)
         the same max and sum, then y = (x - max) - Sleef's log of the sum
+    braze_sum_rows(x, y, n, lo, hi, mean)
+        ATen's AVX2 cascade_sum of each row (four interleaved 8-lane cascades, the scalar tail,
+        then the lanes in order), added to 0 as into ATen's zero-filled output; / n for a mean
 """
 
 from __future__ import annotations
@@ -320,6 +324,110 @@ def _softmax(module: ll.Module, log: bool) -> None:
     b.ret_void()
 
 
+# --- sum and mean over the last dimension (ATen's AVX2 cascade_sum: 8 lanes) ------------------
+SUM = "braze_sum_rows"
+ILP = 4  # row_sum's independent accumulators
+LEVELS = 4  # multi_row_sum's cascade levels
+
+
+def _multi_row_sum(b: ll.IRBuilder, ty: ll.Type, load: Callable[[ll.Value, int], ll.Value], size: ll.Value) -> list:
+    """ATen's multi_row_sum of ILP rows over `size` steps (load(i, k): step i of row k): level 0
+    sums level_step steps, then carries into the levels above while the step count's next bits
+    are zero; the rest of the steps into level 0; then level 0 += levels 1, 2, 3. Its ILP sums."""
+    zero = ll.Constant(ty, None)
+    with b.goto_entry_block():
+        acc = [[b.alloca(ty) for _ in range(ILP)] for _ in range(LEVELS)]
+        i_ptr = b.alloca(I64)
+    for level in acc:
+        for p in level:
+            b.store(zero, p)
+    ctlz = b.module.globals.get("llvm.ctlz.i64") or ll.Function(
+        b.module, ll.FunctionType(I64, [I64, ll.IntType(1)]), "llvm.ctlz.i64"
+    )
+    log = b.sub(I64(64), b.call(ctlz, [b.sub(size, I64(1)), ll.IntType(1)(0)]))
+    log = b.select(b.icmp_signed("<=", size, I64(2)), I64(1), log)  # utils::CeilLog2
+    power = b.sdiv(log, I64(LEVELS))
+    power = b.select(b.icmp_signed("<", power, I64(4)), I64(4), power)
+    step = b.shl(I64(1), power)
+    mask = b.sub(step, I64(1))
+    b.store(I64(0), i_ptr)
+    fn = b.function
+    head, body, rest = (fn.append_basic_block(n) for n in ("levels", "level0", "rest"))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.load(i_ptr, typ=I64)
+    b.cbranch(b.icmp_signed("<=", b.add(i, step), size), body, rest)
+    b.position_at_end(body)
+    with counted_loop(b, i, b.add(i, step)) as j:
+        for k in range(ILP):
+            b.store(b.fadd(b.load(acc[0][k], typ=ty), load(j, k)), acc[0][k])
+    i = b.add(i, step)
+    b.store(i, i_ptr)
+    for j in range(1, LEVELS):
+        for k in range(ILP):
+            b.store(b.fadd(b.load(acc[j][k], typ=ty), b.load(acc[j - 1][k], typ=ty)), acc[j][k])
+            b.store(zero, acc[j - 1][k])
+        if j < LEVELS - 1:
+            carry = fn.append_basic_block("carry")
+            b.cbranch(b.icmp_signed("!=", b.and_(i, b.shl(mask, b.mul(I64(j), power))), I64(0)), head, carry)
+            b.position_at_end(carry)
+    b.branch(head)
+    b.position_at_end(rest)
+    with counted_loop(b, b.load(i_ptr, typ=I64), size) as j:
+        for k in range(ILP):
+            b.store(b.fadd(b.load(acc[0][k], typ=ty), load(j, k)), acc[0][k])
+    for j in range(1, LEVELS):
+        for k in range(ILP):
+            b.store(b.fadd(b.load(acc[0][k], typ=ty), b.load(acc[j][k], typ=ty)), acc[0][k])
+    return [b.load(acc[0][k], typ=ty) for k in range(ILP)]
+
+
+def _row_sum(b: ll.IRBuilder, ty: ll.Type, at: Callable[[ll.Value], ll.Value], size: ll.Value) -> ll.Value:
+    """ATen's row_sum of `size` items (at(i): item i): ILP interleaved cascades, the items past
+    the last whole group into the first, then the first += the others in order."""
+    groups = b.sdiv(size, I64(ILP))
+    sums = _multi_row_sum(b, ty, lambda i, k: at(b.add(b.mul(i, I64(ILP)), I64(k))), groups)
+    with b.goto_entry_block():
+        first = b.alloca(ty)
+    b.store(sums[0], first)
+    with counted_loop(b, b.mul(groups, I64(ILP)), size) as i:
+        b.store(b.fadd(b.load(first, typ=ty), at(i)), first)
+    total = b.load(first, typ=ty)
+    for k in range(1, ILP):
+        total = b.fadd(total, sums[k])
+    return total
+
+
+def _sum(module: ll.Module) -> None:
+    """braze_sum_rows(x, y, n, lo, hi, mean): y[r] = 0 + the cascade sum of row r (/ n for a mean)."""
+    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64, ll.IntType(1)]), SUM)
+    x, y, n, lo, hi, mean = fn.args
+    b = ll.IRBuilder(fn.append_basic_block("entry"))
+    with b.goto_entry_block():
+        out = b.alloca(F32)
+    with counted_loop(b, lo, hi) as r:
+        xr = b.gep(x, [b.mul(r, n)], source_etype=F32)
+        element = lambda i: b.load(b.gep(xr, [i], source_etype=F32), typ=F32)  # noqa: E731
+        with b.if_else(b.icmp_signed("<", n, I64(LANES))) as (short, long):
+            with short:  # scalar_inner_sum
+                b.store(_row_sum(b, F32, element, n), out)
+            with long:  # vectorized_inner_sum: 8-lane sums, the scalar tail, then the lanes
+                vectors = b.sdiv(n, I64(LANES))
+                vec = lambda i: b.load(b.gep(xr, [b.mul(i, I64(LANES))], source_etype=F32), typ=V8, align=4)  # noqa: E731
+                lanes = _row_sum(b, V8, vec, vectors)
+                b.store(F32(0.0), out)
+                with counted_loop(b, b.mul(vectors, I64(LANES)), n) as k:
+                    b.store(b.fadd(b.load(out, typ=F32), element(k)), out)
+                total = b.load(out, typ=F32)
+                for lane in range(LANES):
+                    total = b.fadd(total, b.extract_element(lanes, I64(lane)))
+                b.store(total, out)
+        total = b.fadd(F32(0.0), b.load(out, typ=F32))  # into the zero-filled output
+        total = b.select(mean, b.fdiv(total, b.sitofp(n, F32)), total)
+        b.store(total, b.gep(y, [r], source_etype=F32))
+    b.ret_void()
+
+
 @functools.cache
 def library() -> dict[str, int]:
     """Build the row kernels into the JIT (once per process); their addresses by name, which
@@ -328,7 +436,8 @@ def library() -> dict[str, int]:
     _layer_norm(module)
     _softmax(module, log=False)
     _softmax(module, log=True)
-    names = [LAYER_NORM, SOFTMAX, LOG_SOFTMAX]
+    _sum(module)
+    names = [LAYER_NORM, SOFTMAX, LOG_SOFTMAX, SUM]
     compiled = jit.compile_module(str(module), names, opt_level=2, want_text=False)
     jit.define_symbols(compiled.addresses)
     return compiled.addresses
@@ -405,3 +514,31 @@ def _softmax_same(log: bool) -> bool:
     )
     special = special.repeat(1, 7)
     return jit.same_bits(softmax_rows(special, log), aten(special, -1), nan_payloads=False)
+
+
+def sum_rows(x: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """The native sum (mean) over the last dimension of a contiguous float32 x (for the probe)."""
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_bool)
+    n = x.shape[-1]
+    y = torch.empty(x.shape[:-1])
+    kernel(library()[SUM])(x.data_ptr(), y.data_ptr(), n, 0, y.numel(), mean)
+    return y
+
+
+def sum_same() -> bool:
+    """Whether the native sum and mean give ATen's bits here: lengths around the 8-lane vectors,
+    the 4 interleaved accumulators and each level of the cascade, values of several scales and
+    offsets, special values. Once per process (rows never split between threads in either)."""
+    return _sum_same()
+
+
+@functools.cache
+def _sum_same() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 7, 8, 9, 31, 32, 33, 127, 128, 129, 511, 513, 4097, 40000, 70001):
+        x = torch.randn(3, n, generator=gen) * torch.tensor([[0.1], [1.0], [1e3]]) + torch.tensor([[0.0], [3.0], [0.0]])
+        if not (jit.same_bits(sum_rows(x), x.sum(-1)) and jit.same_bits(sum_rows(x, True), x.mean(-1))):
+            return False
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([[1.0, nan, 2.0], [inf, 1.0, 0.0], [-inf, inf, 1.0], [-0.0, -0.0, -0.0]]).repeat(1, 11)
+    return jit.same_bits(sum_rows(special), special.sum(-1), nan_payloads=False)

@@ -32,6 +32,7 @@ ACTS = {
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,  # MKL's vmsTanh, as ATen calls it
     "softmax": lambda t: torch.softmax(t * 3, -1),  # braze's row kernel
+    "rms_norm": lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6),  # Llama's, op by op
     "layer_norm": None,  # the layer's own nn.LayerNorm (braze's row kernel)
 }
 

@@ -166,3 +166,51 @@ def test_the_softmax_probe_sees_a_sum_in_another_order(monkeypatch):
     finally:
         monkeypatch.undo()
         rows._softmax_same.cache_clear()
+
+
+SUM_LENGTHS = [1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 257, 2049, 32769]
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("n", SUM_LENGTHS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_sum_and_mean_of_rows_are_native_and_exact(mean, n, n_threads, threads):
+    threads(n_threads)
+    x = special(3, n) * torch.tensor([[0.1], [1.0], [1e3]]) + torch.tensor([[0.0], [3.0], [0.0]])
+    op = torch.mean if mean else torch.sum
+    check_model(lambda t: op(t, -1), (x,), kernels=1, externs=0)
+    check_model(lambda t: op(t, dim=(-1,), keepdim=True) * 2, (x,), externs=0)
+
+
+def test_sum_over_the_last_dimension_of_many_rows_and_what_stays_aten(threads):
+    threads(2)
+    check_model(lambda t: t.sum(-1), (torch.randn(300, 7, 40),), kernels=1, externs=0)  # rows split
+    check_model(lambda t: t.mean(-1), (torch.randn(0, 9),), externs=0)
+    for f, x in (
+        (lambda t: t.sum(0), torch.randn(5, 9)),  # another dimension: ATen's outer sum
+        (lambda t: t.sum(), torch.randn(5, 9)),  # every element
+        (lambda t: t.t().sum(-1), torch.randn(9, 5)),  # a strided row
+        (lambda t: t.sum(-1), torch.randn(1, 40000)),  # one long row: ATen splits it between threads
+        (lambda t: t.sum(-1, dtype=torch.float64), torch.randn(3, 9)),
+    ):
+        check_model(f, (x,), externs=1)
+
+
+def test_sum_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    monkeypatch.setattr(rows, "sum_same", lambda: False)
+    compiled = check_model(lambda t: t.mean(-1), (torch.randn(4, 16),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_sum_probe_sees_a_plain_running_sum(monkeypatch):
+    def running(x, mean=False):
+        s = x.double().cumsum(-1)[..., -1].float()  # another order than ATen's cascade
+        return s / x.shape[-1] if mean else s
+
+    monkeypatch.setattr(rows, "sum_rows", running)
+    rows._sum_same.cache_clear()
+    try:
+        assert not rows.sum_same()
+    finally:
+        monkeypatch.undo()
+        rows._sum_same.cache_clear()

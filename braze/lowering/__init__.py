@@ -11,7 +11,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     elementwise.py  arithmetic, comparisons, activations, clamps
     views.py        views, conversions, cat/stack, identity, dropout
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
-    rows.py         layer_norm, softmax, log_softmax through braze's row kernels
+    rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .elementwise import (
     _where,
 )
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
-from .rows import _layer_norm, _softmax
+from .rows import _layer_norm, _softmax, _sum
 from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op
 
 __all__ = [
@@ -163,6 +163,8 @@ def _rows() -> None:
     register(F.layer_norm, torch.layer_norm, nn.LayerNorm)(_layer_norm)
     register(torch.softmax, F.softmax, "softmax", nn.Softmax)(_softmax(log=False))
     register(torch.log_softmax, F.log_softmax, "log_softmax", nn.LogSoftmax)(_softmax(log=True))
+    register(torch.sum, "sum")(_sum(mean=False))
+    register(torch.mean, "mean")(_sum(mean=True))
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

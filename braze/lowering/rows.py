@@ -1,4 +1,4 @@
-"""Row kernels: layer_norm, softmax and log_softmax through braze's native kernels (braze/rows.py), where a
+"""Row kernels: layer_norm, softmax, log_softmax, sum and mean through braze's native kernels (braze/rows.py), where a
 probe shows they give ATen's bits."""
 
 from __future__ import annotations
@@ -79,5 +79,38 @@ def _softmax(log: bool) -> Callable[..., Sym]:
             raise NotNative(f"a probe found braze's {label} does not give ATen's bits here")
         x = lw.view(x, lambda t: t.contiguous())
         return lw.emit(Op.SOFTMAX, (x.name,), out, n=n, rows=out.numel() // n, log=log)
+
+    return row
+
+
+def _sum(mean: bool) -> Callable[..., Sym]:
+    """ATen's sum (mean: that sum / n) over the last dimension of a contiguous input: rows.py's
+    cascade sum. Other dimensions, strided inputs, and one row of 32768 or more (which ATen
+    splits between threads) keep ATen's call."""
+    label = "mean" if mean else "sum"
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        no_out(kwargs)
+        given = dict(zip(("input", "dim", "keepdim"), args)) | kwargs
+        x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
+        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
+            raise NotNative(f"{label} of a tensor that is not float32 with dimensions")
+        dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        last = x.meta.dim() - 1
+        if (
+            len(dims) != 1
+            or not isinstance(dims[0], int)
+            or dims[0] not in (-1, last)
+            or dtype not in (None, torch.float32)
+        ):
+            raise NotNative(f"{label} over other dimensions than the last alone, or into another dtype")
+        n = x.meta.shape[-1]
+        if n == 0 or not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            raise NotNative(f"{label} of an empty or strided row (ATen's loops take another order)")
+        if out.numel() == 1 and n >= 32768:
+            raise NotNative(f"{label} of one row of 32768 or more, which ATen splits between threads")
+        if not rows.sum_same():
+            raise NotNative(f"a probe found braze's {label} does not give ATen's bits here")
+        return lw.emit(Op.SUM, (x.name,), out, n=n, rows=out.numel(), mean=mean)
 
     return row
