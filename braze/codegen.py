@@ -313,8 +313,9 @@ class ModuleBuilder:
             fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
             kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
         elif k.op is Op.SUM:
-            fn = self.declare(rows.SUM, VOID, [PTR, PTR, I64, I64, I64, ll.IntType(1)])
-            kb.call(fn, [*ptrs, n, lo, hi, ll.IntType(1)(int(k.attrs["mean"]))])
+            fn = self.declare(rows.SUM, VOID, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)])
+            total = self.dim(kb, tbl, k.attrs["rows"])
+            kb.call(fn, [*ptrs, n, lo, hi, total, ll.IntType(1)(int(k.attrs["mean"]))])
         else:
             fn = self.declare(rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX, VOID, [PTR, PTR, I64, I64, I64])
             kb.call(fn, [*ptrs, n, lo, hi])

@@ -17,9 +17,10 @@ called and the op stays an ATen call, saying why.
         element, its 16-lane sum, then y = e * (1 / sum)
     braze_log_softmax_rows(x, y, n, lo, hi)
         the same max and sum, then y = (x - max) - Sleef's log of the sum
-    braze_sum_rows(x, y, n, lo, hi, mean)
+    braze_sum_rows(x, y, n, lo, hi, rows, mean)
         ATen's AVX2 cascade_sum of each row (four interleaved 8-lane cascades, the scalar tail,
-        then the lanes in order), added to 0 as into ATen's zero-filled output; / n for a mean
+        then the lanes in order), added to 0 as into ATen's zero-filled output; / n for a mean;
+        one long row split between threads as ATen's two-pass reduction splits it
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from . import jit
 from .codegen import F32, I32, I64, PTR, VOID, counted_loop
+from .sleef import GRAIN
 
 LANES = 8  # ATen's layer_norm kernel is an AVX2 build here: Vectorized<float> has 8 lanes
 CHUNK = 16  # vectors per Welford chunk (kChunkSize)
@@ -398,33 +400,78 @@ def _row_sum(b: ll.IRBuilder, ty: ll.Type, at: Callable[[ll.Value], ll.Value], s
     return total
 
 
-def _sum(module: ll.Module) -> None:
-    """braze_sum_rows(x, y, n, lo, hi, mean): y[r] = 0 + the cascade sum of row r (/ n for a mean)."""
-    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64, ll.IntType(1)]), SUM)
-    x, y, n, lo, hi, mean = fn.args
+def _cascade_sum(module: ll.Module) -> ll.Function:
+    """float braze_cascade_sum(x, n): what ATen's cascade_sum stores for n contiguous floats into a
+    zero-filled output: 0 + (scalar_inner_sum under 8 of them, else vectorized_inner_sum: the
+    8-lane row_sum, then the scalar tail in order, then the lanes in order)."""
+    fn = ll.Function(module, ll.FunctionType(F32, [PTR, I64]), "braze_cascade_sum")
+    fn.linkage = "internal"
+    x, n = fn.args
     b = ll.IRBuilder(fn.append_basic_block("entry"))
     with b.goto_entry_block():
         out = b.alloca(F32)
-    with counted_loop(b, lo, hi) as r:
-        xr = b.gep(x, [b.mul(r, n)], source_etype=F32)
-        element = lambda i: b.load(b.gep(xr, [i], source_etype=F32), typ=F32)  # noqa: E731
-        with b.if_else(b.icmp_signed("<", n, I64(LANES))) as (short, long):
-            with short:  # scalar_inner_sum
-                b.store(_row_sum(b, F32, element, n), out)
-            with long:  # vectorized_inner_sum: 8-lane sums, the scalar tail, then the lanes
-                vectors = b.sdiv(n, I64(LANES))
-                vec = lambda i: b.load(b.gep(xr, [b.mul(i, I64(LANES))], source_etype=F32), typ=V8, align=4)  # noqa: E731
-                lanes = _row_sum(b, V8, vec, vectors)
-                b.store(F32(0.0), out)
-                with counted_loop(b, b.mul(vectors, I64(LANES)), n) as k:
-                    b.store(b.fadd(b.load(out, typ=F32), element(k)), out)
-                total = b.load(out, typ=F32)
-                for lane in range(LANES):
-                    total = b.fadd(total, b.extract_element(lanes, I64(lane)))
-                b.store(total, out)
-        total = b.fadd(F32(0.0), b.load(out, typ=F32))  # into the zero-filled output
-        total = b.select(mean, b.fdiv(total, b.sitofp(n, F32)), total)
-        b.store(total, b.gep(y, [r], source_etype=F32))
+    element = lambda i: b.load(b.gep(x, [i], source_etype=F32), typ=F32)  # noqa: E731
+    with b.if_else(b.icmp_signed("<", n, I64(LANES))) as (short, long):
+        with short:
+            b.store(_row_sum(b, F32, element, n), out)
+        with long:
+            vectors = b.sdiv(n, I64(LANES))
+            vec = lambda i: b.load(b.gep(x, [b.mul(i, I64(LANES))], source_etype=F32), typ=V8, align=4)  # noqa: E731
+            lanes = _row_sum(b, V8, vec, vectors)
+            b.store(F32(0.0), out)
+            with counted_loop(b, b.mul(vectors, I64(LANES)), n) as k:
+                b.store(b.fadd(b.load(out, typ=F32), element(k)), out)
+            total = b.load(out, typ=F32)
+            for lane in range(LANES):
+                total = b.fadd(total, b.extract_element(lanes, I64(lane)))
+            b.store(total, out)
+    b.ret(b.fadd(F32(0.0), b.load(out, typ=F32)))
+    return fn
+
+
+def _sum(module: ll.Module) -> None:
+    """braze_sum_rows(x, y, n, lo, hi, rows, mean): y[r] = the cascade sum of row r (/ n for a
+    mean). One row of GRAIN or more on several threads is ATen's two_pass_reduction: the row cut
+    into min(threads, n / GRAIN) chunks, each one's sum into a slot of a zeroed buffer of one
+    per thread, then the buffer summed the same way (computed here on one thread: same bits)."""
+    cascade = _cascade_sum(module)
+    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)]), SUM)
+    x, y, n, lo, hi, rows, mean = fn.args
+    b = ll.IRBuilder(fn.append_basic_block("entry"))
+    max_threads = module.globals.get("omp_get_max_threads") or ll.Function(
+        module, ll.FunctionType(I32, []), "omp_get_max_threads"
+    )
+    threads = b.sext(b.call(max_threads, []), I64)
+    with b.goto_entry_block():
+        out = b.alloca(F32)
+
+    def finish(r: ll.Value) -> None:
+        total = b.load(out, typ=F32)
+        b.store(b.select(mean, b.fdiv(total, b.sitofp(n, F32)), total), b.gep(y, [r], source_etype=F32))
+
+    two_pass = b.and_(b.icmp_signed("==", rows, I64(1)), b.icmp_signed(">=", n, I64(GRAIN)))
+    two_pass = b.and_(two_pass, b.icmp_signed(">", threads, I64(1)))
+    with b.if_else(two_pass) as (split, plain):
+        with split:
+            slots = b.alloca(F32, size=threads)
+            with counted_loop(b, I64(0), threads) as t:
+                b.store(F32(0.0), b.gep(slots, [t], source_etype=F32))
+            parts = b.sdiv(b.add(n, I64(GRAIN - 1)), I64(GRAIN))
+            parts = b.select(b.icmp_signed("<", threads, parts), threads, parts)
+            size = b.sdiv(b.add(n, b.sub(parts, I64(1))), parts)
+            with counted_loop(b, I64(0), parts) as t:
+                begin = b.mul(t, size)
+                with b.if_then(b.icmp_signed("<", begin, n)):
+                    left = b.sub(n, begin)
+                    count = b.select(b.icmp_signed("<", size, left), size, left)
+                    part = b.call(cascade, [b.gep(x, [begin], source_etype=F32), count])
+                    b.store(part, b.gep(slots, [t], source_etype=F32))
+            b.store(b.call(cascade, [slots, threads]), out)
+            finish(I64(0))
+        with plain:
+            with counted_loop(b, lo, hi) as r:
+                b.store(b.call(cascade, [b.gep(x, [b.mul(r, n)], source_etype=F32), n]), out)
+                finish(r)
     b.ret_void()
 
 
@@ -518,26 +565,30 @@ def _softmax_same(log: bool) -> bool:
 
 def sum_rows(x: torch.Tensor, mean: bool = False) -> torch.Tensor:
     """The native sum (mean) over the last dimension of a contiguous float32 x (for the probe)."""
-    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_bool)
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_bool)
     n = x.shape[-1]
     y = torch.empty(x.shape[:-1])
-    kernel(library()[SUM])(x.data_ptr(), y.data_ptr(), n, 0, y.numel(), mean)
+    kernel(library()[SUM])(x.data_ptr(), y.data_ptr(), n, 0, y.numel(), y.numel(), mean)
     return y
 
 
 def sum_same() -> bool:
     """Whether the native sum and mean give ATen's bits here: lengths around the 8-lane vectors,
-    the 4 interleaved accumulators and each level of the cascade, values of several scales and
-    offsets, special values. Once per process (rows never split between threads in either)."""
-    return _sum_same()
+    the 4 interleaved accumulators and each level of the cascade, one long row (which both
+    split between threads), values of several scales and offsets, special values. Once per
+    process and thread count."""
+    return _sum_same(torch.get_num_threads())
 
 
 @functools.cache
-def _sum_same() -> bool:
+def _sum_same(threads: int) -> bool:  # threads: in the cache key
     gen = torch.Generator().manual_seed(0)
     for n in (1, 3, 7, 8, 9, 31, 32, 33, 127, 128, 129, 511, 513, 4097, 40000, 70001):
         x = torch.randn(3, n, generator=gen) * torch.tensor([[0.1], [1.0], [1e3]]) + torch.tensor([[0.0], [3.0], [0.0]])
         if not (jit.same_bits(sum_rows(x), x.sum(-1)) and jit.same_bits(sum_rows(x, True), x.mean(-1))):
+            return False
+        row = x[1:2] * 1e3  # one long row: split between threads from 32768 on, as ATen's two passes
+        if not (jit.same_bits(sum_rows(row), row.sum(-1)) and jit.same_bits(sum_rows(row, True), row.mean(-1))):
             return False
     inf, nan = float("inf"), float("nan")
     special = torch.tensor([[1.0, nan, 2.0], [inf, 1.0, 0.0], [-inf, inf, 1.0], [-0.0, -0.0, -0.0]]).repeat(1, 11)

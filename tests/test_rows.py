@@ -186,11 +186,12 @@ def test_sum_over_the_last_dimension_of_many_rows_and_what_stays_aten(threads):
     threads(2)
     check_model(lambda t: t.sum(-1), (torch.randn(300, 7, 40),), kernels=1, externs=0)  # rows split
     check_model(lambda t: t.mean(-1), (torch.randn(0, 9),), externs=0)
+    for n in (32768, 40000, 100003):  # one long row, which ATen sums in two passes over threads
+        check_model(lambda t: t.sum(-1), (torch.randn(n) * 1e3 + 1,), kernels=1, externs=0)
     for f, x in (
         (lambda t: t.sum(0), torch.randn(5, 9)),  # another dimension: ATen's outer sum
         (lambda t: t.sum(), torch.randn(5, 9)),  # every element
         (lambda t: t.t().sum(-1), torch.randn(9, 5)),  # a strided row
-        (lambda t: t.sum(-1), torch.randn(1, 40000)),  # one long row: ATen splits it between threads
         (lambda t: t.sum(-1, dtype=torch.float64), torch.randn(3, 9)),
     ):
         check_model(f, (x,), externs=1)

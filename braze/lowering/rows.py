@@ -85,8 +85,8 @@ def _softmax(log: bool) -> Callable[..., Sym]:
 
 def _sum(mean: bool) -> Callable[..., Sym]:
     """ATen's sum (mean: that sum / n) over the last dimension of a contiguous input: rows.py's
-    cascade sum. Other dimensions, strided inputs, and one row of 32768 or more (which ATen
-    splits between threads) keep ATen's call."""
+    cascade sum (and its two passes over one long row). Other dimensions and strided inputs keep
+    ATen's call."""
     label = "mean" if mean else "sum"
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -107,8 +107,6 @@ def _sum(mean: bool) -> Callable[..., Sym]:
         n = x.meta.shape[-1]
         if n == 0 or not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
             raise NotNative(f"{label} of an empty or strided row (ATen's loops take another order)")
-        if out.numel() == 1 and n >= 32768:
-            raise NotNative(f"{label} of one row of 32768 or more, which ATen splits between threads")
         if not rows.sum_same():
             raise NotNative(f"a probe found braze's {label} does not give ATen's bits here")
         return lw.emit(Op.SUM, (x.name,), out, n=n, rows=out.numel(), mean=mean)
