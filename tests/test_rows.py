@@ -92,14 +92,19 @@ def test_the_probe_sees_a_kernel_that_is_one_rounding_off(monkeypatch):
         y.view(-1)[-1] = torch.nextafter(y.view(-1)[-1], torch.tensor(float("inf")))
         return y
 
-    monkeypatch.setattr(rows, "layer_norm_rows", off)
-    rows._layer_norm_same.cache_clear()
+    assert not probe_with(monkeypatch, "layer_norm_rows", off, rows.layer_norm_same, rows._layer_norm_same)
+    assert rows.layer_norm_same()
+
+
+def probe_with(monkeypatch, kernel: str, wrong, probe, cached) -> bool:
+    """What `probe` says when rows.<kernel> is `wrong` (its cache, `cached`, cleared around it)."""
+    monkeypatch.setattr(rows, kernel, wrong)
+    cached.cache_clear()
     try:
-        assert not rows.layer_norm_same()
+        return probe()
     finally:
         monkeypatch.undo()
-        rows._layer_norm_same.cache_clear()
-    assert rows.layer_norm_same()
+        cached.cache_clear()
 
 
 SOFTMAX_LENGTHS = [1, 7, 15, 16, 17, 31, 32, 33, 257, 32769]
@@ -159,13 +164,7 @@ def test_the_softmax_probe_sees_a_sum_in_another_order(monkeypatch):
         e = torch.exp(x - x.amax(-1, keepdim=True))
         return e * (1 / e.double().cumsum(-1)[..., -1:].float())
 
-    monkeypatch.setattr(rows, "softmax_rows", in_order)
-    rows._softmax_same.cache_clear()
-    try:
-        assert not rows.softmax_same(False)
-    finally:
-        monkeypatch.undo()
-        rows._softmax_same.cache_clear()
+    assert not probe_with(monkeypatch, "softmax_rows", in_order, lambda: rows.softmax_same(False), rows._softmax_same)
 
 
 SUM_LENGTHS = [1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 257, 2049, 32769]
@@ -208,10 +207,4 @@ def test_the_sum_probe_sees_a_plain_running_sum(monkeypatch):
         s = x.double().cumsum(-1)[..., -1].float()  # another order than ATen's cascade
         return s / x.shape[-1] if mean else s
 
-    monkeypatch.setattr(rows, "sum_rows", running)
-    rows._sum_same.cache_clear()
-    try:
-        assert not rows.sum_same()
-    finally:
-        monkeypatch.undo()
-        rows._sum_same.cache_clear()
+    assert not probe_with(monkeypatch, "sum_rows", running, rows.sum_same, rows._sum_same)
