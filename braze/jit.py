@@ -17,6 +17,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,6 +298,23 @@ def tls_dispatch_words() -> tuple[int, int]:
 def shim_constant(name: str) -> int:
     """A constant of ATen's C shim, e.g. shim_constant('dtype_float32')."""
     return getattr(_torch_lib("libtorch_cpu.so"), f"aoti_torch_{name}")()
+
+
+_libraries: dict[str, dict[str, int]] = {}
+_library_lock = threading.Lock()
+
+
+def library(name: str, build: Callable[[], tuple[str, list[str]]]) -> dict[str, int]:
+    """Native functions that build() writes (LLVM IR text, the names to export), compiled once per
+    process (a lock: two threads' first calls must not load them twice) and callable by name from
+    modules compiled later. Their addresses by name."""
+    with _library_lock:
+        if name not in _libraries:
+            ir_text, names = build()
+            compiled = compile_module(ir_text, names, opt_level=2, want_text=False)
+            define_symbols(compiled.addresses)
+            _libraries[name] = compiled.addresses
+        return _libraries[name]
 
 
 def define_symbols(addresses: dict[str, int]) -> None:

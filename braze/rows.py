@@ -475,19 +475,19 @@ def _sum(module: ll.Module) -> None:
     b.ret_void()
 
 
-@functools.cache
 def library() -> dict[str, int]:
-    """Build the row kernels into the JIT (once per process); their addresses by name, which
+    """The row kernels in the JIT (built once per process); their addresses by name, which
     programs compiled later may also call by name."""
+    return jit.library("rows", _build)
+
+
+def _build() -> tuple[str, list[str]]:
     module = ll.Module("braze_rows")
     _layer_norm(module)
     _softmax(module, log=False)
     _softmax(module, log=True)
     _sum(module)
-    names = [LAYER_NORM, SOFTMAX, LOG_SOFTMAX, SUM]
-    compiled = jit.compile_module(str(module), names, opt_level=2, want_text=False)
-    jit.define_symbols(compiled.addresses)
-    return compiled.addresses
+    return str(module), [LAYER_NORM, SOFTMAX, LOG_SOFTMAX, SUM]
 
 
 def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

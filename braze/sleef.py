@@ -108,16 +108,16 @@ def _entry(module: ll.Module, fn: str) -> None:
     b.ret_void()
 
 
-@functools.cache
 def library() -> dict[str, int]:
-    """Build the kernels into the JIT (once per process); their addresses by name."""
+    """The kernels in the JIT (built once per process); their addresses by name."""
+    return jit.library("sleef", _build)
+
+
+def _build() -> tuple[str, list[str]]:
     module = ll.Module("braze_sleef")
     for fn in FUNCTIONS:
         _entry(module, fn)
-    names = [name(fn) for fn in FUNCTIONS]
-    compiled = jit.compile_module(str(module), names, opt_level=2, want_text=False)
-    jit.define_symbols(compiled.addresses)
-    return compiled.addresses
+    return str(module), [name(fn) for fn in FUNCTIONS]
 
 
 def run(fn: str, x: torch.Tensor) -> torch.Tensor:

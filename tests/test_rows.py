@@ -3,6 +3,10 @@ ATen's vector body, Welford chunks and cascade, special values, layouts, threads
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,3 +212,28 @@ def test_the_sum_probe_sees_a_plain_running_sum(monkeypatch):
         return s / x.shape[-1] if mean else s
 
     assert not probe_with(monkeypatch, "sum_rows", running, rows.sum_same, rows._sum_same)
+
+
+def test_first_calls_on_two_threads_build_the_kernels_once():
+    # A fresh process: the kernels are built by whichever first call gets there, once.
+    script = textwrap.dedent(
+        """
+        import threading, torch, braze
+        from braze import jit
+        built = []
+        real = jit.compile_module
+        jit.compile_module = lambda text, *a, **k: (built.append("braze_rows" in text), real(text, *a, **k))[1]
+        models = [torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Softmax(-1)).eval() for _ in range(2)]
+        x, same = torch.randn(4, 16), []
+        def run(m):
+            with torch.no_grad():
+                same.append(torch.equal(braze.compile(m)(x), m(x)))
+        threads = [threading.Thread(target=run, args=(m,)) for m in models]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print(same == [True, True], sum(built))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "1"]
