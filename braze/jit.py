@@ -56,7 +56,15 @@ MKL_THREADS = "MKL_Get_Max_Threads"
 MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
 # MKL's vector math functions ATen's exp, tanh and erf call for float32 here, and the mode it
 # passes: high accuracy, denormals kept, no error handling.
-VML_FUNCTIONS = ("vmsExp", "vmsTanh", "vmsErf")
+# torch op -> the VML function (every float32 unary op of ATen's that calls one here).
+VML_FUNCTIONS = {
+    name: f"vms{vml}"
+    for name, vml in {
+        "exp": "Exp", "tanh": "Tanh", "erf": "Erf", "erfc": "Erfc", "erfinv": "ErfInv", "log": "Ln", "log2": "Log2",
+        "log10": "Log10", "sin": "Sin", "cos": "Cos", "tan": "Tan", "asin": "Asin", "acos": "Acos", "atan": "Atan",
+        "sqrt": "Sqrt", "trunc": "Trunc",
+    }.items()
+}  # fmt: skip
 VML_MODE = 0x2 | 0x140000 | 0x100
 # Sleef's functions inside libtorch_cpu that ATen's vectorised kernels call (sleef.py).
 SLEEF_FUNCTIONS = ("Sleef_expf16_u10", "Sleef_logf16_u10")
@@ -101,7 +109,14 @@ def _address(lib: Any, name: str) -> int:
 
 def _bind_symbols() -> None:
     cpu, libc = _torch_lib("libtorch_cpu.so"), ctypes.CDLL(None)
-    for name in ("sgemm_", "cblas_sgemm_batch", MKL_THREADS, MKL_SET_THREADS, *VML_FUNCTIONS, *SLEEF_FUNCTIONS):
+    for name in (
+        "sgemm_",
+        "cblas_sgemm_batch",
+        MKL_THREADS,
+        MKL_SET_THREADS,
+        *VML_FUNCTIONS.values(),
+        *SLEEF_FUNCTIONS,
+    ):
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol("expf", _address(ctypes.CDLL(ctypes.util.find_library("m")), "expf"))  # ATen's tails call it
     gomp = _torch_lib("libgomp.so.1")
@@ -219,7 +234,7 @@ def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.
 
 
 def vml_same(name: str) -> bool:
-    """Whether ATen's float32 `name` (exp, tanh, erf) gives here what MKL's vms<Name> gives with
+    """Whether ATen's float32 `name` (a key of VML_FUNCTIONS) gives here what its VML function gives with
     ATen's mode, on special values, subnormals, 77 decades of magnitudes, odd lengths, strided
     inputs, in place, past the 32k-element split between threads. Once per process and thread
     count (torch.get_num_threads())."""
@@ -228,7 +243,7 @@ def vml_same(name: str) -> bool:
 
 @functools.cache
 def _vml_same(name: str, threads: int) -> bool:  # threads: in the cache key
-    vml = getattr(_torch_lib("libtorch_cpu.so"), f"vms{name.capitalize()}")
+    vml = getattr(_torch_lib("libtorch_cpu.so"), VML_FUNCTIONS[name])
     vml.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     aten = getattr(torch, name)
     gen = torch.Generator().manual_seed(0)

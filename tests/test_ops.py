@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import braze
+from braze import jit
 
 from .helpers import check_model
 
@@ -47,6 +48,11 @@ NATIVE = [
     ("exp", torch.exp, 1),
     ("tanh", torch.tanh, 1),
     ("erf", torch.erf, 1),
+    ("log", torch.log, 1),
+    ("sin", torch.sin, 1),
+    ("cos", torch.cos, 1),
+    ("sqrt", torch.sqrt, 1),
+    ("atan", torch.atan, 1),
     ("sigmoid", torch.sigmoid, 1),
     ("silu", F.silu, 1),
     ("rsqrt_of_sum", lambda x: torch.rsqrt(x * x + 1e-6), 1),
@@ -199,8 +205,8 @@ def test_extern_ops_match_eager(name, fn, shape):
 
 
 def test_extern_between_native_kernels():
-    compiled = check_model(lambda x: torch.sin(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
-    assert compiled.programs()[0].externs[0][0].endswith("sin")
+    compiled = check_model(lambda x: torch.sinh(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
+    assert compiled.programs()[0].externs[0][0].endswith("sinh")
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -239,7 +245,6 @@ def test_conversions_to_a_tensors_own_dtype_are_the_tensor_itself():
 
 
 def test_rsqrt_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
-    from braze import jit
 
     x = special(7, 33).abs()
     check_model(torch.rsqrt, (x,), kernels=1, externs=0)
@@ -260,9 +265,10 @@ def test_rms_norm_written_by_hand_is_all_native():
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("op", [torch.exp, torch.tanh, torch.erf], ids=["exp", "tanh", "erf"])
-def test_mkl_vector_math_across_threads_and_layouts(op, n, threads):
+@pytest.mark.parametrize("name", sorted(jit.VML_FUNCTIONS))
+def test_mkl_vector_math_across_threads_and_layouts(name, n, threads):
     threads(n)
+    op = getattr(torch, name)
     big = special(32769)
     for x in (big, special(257, 130).t(), special(64, 66)[:, ::2], special(7, 1, 33).expand(7, 5, 33)):
         check_model(lambda t: op(t * 0.5) + 1, (x,), externs=0)
@@ -276,7 +282,6 @@ def test_gpt2_gelu_written_by_hand_is_all_native():
 
 
 def test_vector_math_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
-    from braze import jit
 
     monkeypatch.setattr(jit, "vml_same", lambda name: False)
     compiled = check_model(torch.tanh, (special(7, 33),), externs=1)

@@ -21,6 +21,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from .. import jit
 from ..ir import Op
 from .core import LOWERINGS, Lowered, Lowerer, NotNative, Sym, Unsupported, lower, register, to_meta
 from .elementwise import (
@@ -103,9 +104,9 @@ def _rows() -> None:
     register(operator.neg, torch.neg, torch.negative, "neg", "neg_", "__neg__")(_unary(Op.NEG))
     register(operator.abs, torch.abs, "abs", "abs_", "__abs__")(_unary(Op.ABS))
     register(torch.rsqrt, "rsqrt", "rsqrt_")(_rsqrt)
-    register(torch.exp, "exp", "exp_")(_vml("exp"))
-    register(torch.tanh, "tanh", "tanh_", nn.Tanh)(_vml("tanh"))
-    register(torch.erf, "erf", "erf_")(_vml("erf"))
+    for name in jit.VML_FUNCTIONS:
+        extra = (nn.Tanh,) if name == "tanh" else ()
+        register(getattr(torch, name), name, f"{name}_", *extra)(_vml(name))
     register(torch.sigmoid, F.sigmoid, "sigmoid", "sigmoid_", nn.Sigmoid)(_sleef("sigmoid"))
     register(F.silu, nn.SiLU)(_sleef("silu"))
     register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)

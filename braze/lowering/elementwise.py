@@ -209,7 +209,8 @@ def _sleef(name: str) -> Callable[..., Sym]:
 
 
 def _vml(name: str) -> Callable[..., Sym]:
-    """exp, tanh, erf: MKL's vms<Name> with ATen's mode, the function ATen's float32 kernel calls
+    """exp, tanh, erf, log, sin, cos, ... (jit.VML_FUNCTIONS): MKL's vector math function with
+    ATen's mode, the function ATen's float32 kernel calls
     here (on contiguous runs, or on copies of strided ones: its results depend on no position,
     alignment or thread count), where a probe shows ATen gives its bits."""
 
@@ -221,7 +222,7 @@ def _vml(name: str) -> Callable[..., Sym]:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
             raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
         if not jit.vml_same(name):
-            raise NotNative(f"a probe found ATen's {name} does not give MKL's vms{name.capitalize()} bits here")
-        return lw.emit(Op.VML, (x.name,), out, fn=f"vms{name.capitalize()}")
+            raise NotNative(f"a probe found ATen's {name} does not give MKL's {jit.VML_FUNCTIONS[name]} bits here")
+        return lw.emit(Op.VML, (x.name,), out, fn=jit.VML_FUNCTIONS[name])
 
     return row
