@@ -5,8 +5,10 @@ One MCJIT engine per process (per instruction-selection level); modules are adde
 symbols generated code calls are bound to the exact functions the process already loaded:
 MKL's `sgemm_` inside libtorch_cpu (the routine eager's addmm calls) and its thread count, the
 libgomp that ATen's parallel_for uses, CPython's C API, and ATen's C shim (the AOTInductor
-`aoti_torch_*` functions) for tensor data pointers, layouts and allocation. Also here: the probe
-that decides whether a small GEMM may run on one thread (one_thread_same).
+`aoti_torch_*` functions) for tensor data pointers, layouts and allocation, MKL's vector math and
+Sleef's functions that ATen's kernels call. Also here: native libraries built once per process
+(`library`: rows.py, sleef.py), and the probes that decide whether a small GEMM may run on one
+thread (one_thread_same) and whether ATen's unary ops give VML's bits (vml_same).
 """
 
 from __future__ import annotations
@@ -54,9 +56,8 @@ FULL_PRECISION = (0, 1)
 # the per-thread override a one-thread GEMM sets around its sgemm_ (it returns the one it replaced).
 MKL_THREADS = "MKL_Get_Max_Threads"
 MKL_SET_THREADS = "MKL_Set_Num_Threads_Local"
-# MKL's vector math functions ATen's exp, tanh and erf call for float32 here, and the mode it
-# passes: high accuracy, denormals kept, no error handling.
-# torch op -> the VML function (every float32 unary op of ATen's that calls one here).
+# MKL's vector math functions ATen's float32 unary ops call here (torch op -> VML function), and
+# the mode it passes: high accuracy, denormals kept, no error handling.
 VML_FUNCTIONS = {
     name: f"vms{vml}"
     for name, vml in {
@@ -234,10 +235,10 @@ def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.
 
 
 def vml_same(name: str) -> bool:
-    """Whether ATen's float32 `name` (a key of VML_FUNCTIONS) gives here what its VML function gives with
-    ATen's mode, on special values, subnormals, 77 decades of magnitudes, odd lengths, strided
-    inputs, in place, past the 32k-element split between threads. Once per process and thread
-    count (torch.get_num_threads())."""
+    """Whether ATen's float32 `name` (a key of VML_FUNCTIONS) gives here what its VML function
+    gives with ATen's mode, on special values, subnormals, 77 decades of magnitudes, odd lengths,
+    strided inputs, in place, past the 32k-element split between threads. Once per process and
+    thread count (torch.get_num_threads())."""
     return _vml_same(name, torch.get_num_threads())
 
 

@@ -5,9 +5,9 @@ the JIT and called by programs.
 Their arithmetic follows ATen's as this wheel compiled it (../shared/notes/aten-bits.md): the
 order of every operation, which products GCC fused into FMAs, the vector width of the kernel
 ATen dispatches to (its layer_norm and sum exist only as AVX2 builds: 8 lanes; its softmax runs
-the AVX512 build: 16). A probe compares
-each with ATen before any program uses it (`layer_norm_same`); a kernel that disagrees is never
-called and the op stays an ATen call, saying why.
+the AVX512 build: 16). A probe compares each with ATen before any program uses it
+(`layer_norm_same`, `softmax_same`, `sum_same`); a kernel that disagrees is never called and the
+op stays an ATen call, saying why.
 
     braze_layer_norm_rows(x, weight, bias, y, n, lo, hi, eps)
         rows lo..hi of a contiguous [rows, n] x: y = (x - mean) * rstd * weight + bias, with

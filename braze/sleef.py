@@ -128,13 +128,19 @@ def run(fn: str, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def other_capability() -> str | None:
+    """Why kernels written for ATen's AVX512 build (16-lane Sleef calls) cannot run here, if so."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return None if cap == CAPABILITY else f"ATen runs its {cap} kernels here; braze reproduces the {CAPABILITY} ones"
+
+
 def why_not(fn: str) -> str | None:
     """None where braze's `fn` gives ATen's bits here, else why it is not used. Probed once per
     process and thread count: lengths around the 32-element step, the 32768-element split and
     the threads' chunks; special values; magnitudes where exp overflows and underflows."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap != CAPABILITY:
-        return f"ATen runs its {cap} kernels here; braze reproduces the {CAPABILITY} ones"
+    other = other_capability()
+    if other:
+        return other
     if not _same(fn, torch.get_num_threads()):
         return f"a probe found braze's {fn} does not give ATen's bits here"
     return None

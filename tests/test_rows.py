@@ -237,3 +237,10 @@ def test_first_calls_on_two_threads_build_the_kernels_once():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "1"]
+
+
+def test_kernels_written_for_avx512_stay_aten_calls_on_other_cpus(monkeypatch):
+    # On an AVX2 machine ATen runs 8-lane kernels, and Sleef's 16-lane functions cannot run.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    compiled = check_model(lambda t: torch.softmax(torch.sigmoid(t), -1), (torch.randn(4, 16),), externs=2)
+    assert all("AVX2" in why for _, why in compiled.programs()[0].externs)

@@ -210,9 +210,9 @@ def _sleef(name: str) -> Callable[..., Sym]:
 
 def _vml(name: str) -> Callable[..., Sym]:
     """exp, tanh, erf, log, sin, cos, ... (jit.VML_FUNCTIONS): MKL's vector math function with
-    ATen's mode, the function ATen's float32 kernel calls
-    here (on contiguous runs, or on copies of strided ones: its results depend on no position,
-    alignment or thread count), where a probe shows ATen gives its bits."""
+    ATen's mode, the function ATen's float32 kernel calls here (on contiguous runs, or on copies
+    of strided ones: its results depend on no position, alignment or thread count), where a
+    probe shows ATen gives its bits."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         no_out(kwargs)

@@ -1,5 +1,5 @@
-"""Row kernels: layer_norm, softmax, log_softmax, sum and mean through braze's native kernels (braze/rows.py), where a
-probe shows they give ATen's bits."""
+"""Row kernels: layer_norm, softmax, log_softmax, sum and mean through braze's native kernels
+(braze/rows.py), where a probe shows they give ATen's bits."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .. import rows
+from .. import rows, sleef
 from ..ir import Op
 from .core import Lowerer, NotNative, Sym, no_out
 
@@ -40,7 +40,7 @@ def _layer_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         raise NotNative("layer_norm without both weight and bias (ATen's scalar path)")
     n = math.prod(shape)
     for t in (x, w, b):
-        if not (t.is_tensor and t.meta.dtype == torch.float32):
+        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32):
             raise NotNative("layer_norm of tensors that are not float32")
     if (
         tuple(w.meta.shape) != shape
@@ -75,6 +75,9 @@ def _softmax(log: bool) -> Callable[..., Sym]:
         n = x.meta.shape[-1]
         if n == 0 or not isinstance(out, torch.Tensor) or not out.is_contiguous():
             raise NotNative(f"{label} of empty rows, or a result braze does not expect")
+        other = sleef.other_capability()  # the kernels call Sleef's 16-lane functions
+        if other:
+            raise NotNative(other)
         if not rows.softmax_same(log):
             raise NotNative(f"a probe found braze's {label} does not give ATen's bits here")
         x = lw.view(x, lambda t: t.contiguous())
