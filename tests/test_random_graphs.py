@@ -31,7 +31,12 @@ ACTS = {
     "erf": torch.erf,
     "gelu": F.gelu,  # an ATen call inside the program
     "tanh": torch.tanh,  # MKL's vmsTanh, as ATen calls it
-    "softmax": lambda t: torch.softmax(t * 3, -1),  # braze's row kernel
+    "softmax": lambda t: torch.softmax(t * 3, -1),  # braze's row kernels
+    "log_softmax": lambda t: F.log_softmax(t, -1),
+    "mean": lambda t: t - t.mean(-1, keepdim=True),
+    "silu": F.silu,  # ATen's loop: Sleef in the body, glibc in the tail
+    "sigmoid": torch.sigmoid,
+    "sin_log": lambda t: torch.sin(t) + torch.log(t.abs() + 1),  # MKL's VML
     "rms_norm": lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6),  # Llama's, op by op
     "layer_norm": None,  # the layer's own nn.LayerNorm (braze's row kernel)
 }
