@@ -68,7 +68,7 @@ VML_FUNCTIONS = {
 }  # fmt: skip
 VML_MODE = 0x2 | 0x140000 | 0x100
 # Sleef's functions inside libtorch_cpu that ATen's vectorised kernels call (sleef.py).
-SLEEF_FUNCTIONS = ("Sleef_expf16_u10", "Sleef_logf16_u10")
+SLEEF_FUNCTIONS = ("Sleef_expf16_u10", "Sleef_logf16_u10", "Sleef_tanhf16_u10")
 
 _C_API = (
     "PyObject_Vectorcall",
@@ -119,7 +119,9 @@ def _bind_symbols() -> None:
         *SLEEF_FUNCTIONS,
     ):
         llvm.add_symbol(name, _address(cpu, name))
-    llvm.add_symbol("expf", _address(ctypes.CDLL(ctypes.util.find_library("m")), "expf"))  # ATen's tails call it
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    for name in ("expf", "tanhf"):  # ATen's scalar tails call them
+        llvm.add_symbol(name, _address(libm, name))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads"):
         llvm.add_symbol(name, _address(gomp, name))

@@ -1,13 +1,16 @@
-"""ATen's Sleef-based float32 activations (sigmoid, silu), reproduced with ATen's loop: built
+"""ATen's Sleef-based float32 activations (sigmoid, silu, gelu with approximate="tanh"),
+reproduced with ATen's loop: built
 once per process into the JIT, probed against ATen before use, called by programs by name.
 
 Why a loop of its own: these kernels give different bits in the vector body (Sleef's expf16_u10,
 16 lanes, two vectors a step) and in the scalar tail (glibc's expf) of ATen's vectorized_loop,
 and from 32768 elements each of ATen's threads has its own tail. So the kernel takes ATen's
-structure too: the contiguous elements split into min(threads, ceil(n / 32768)) equal chunks
-(at::parallel_for), each run as 32-element vector steps, then element by element.
+structure too: the contiguous elements split into min(threads, ceil(n / grain)) equal chunks
+(at::parallel_for; grain 32768, gelu's n / threads above 16384 elements), each run as
+32-element vector steps, then element by element.
 
-    braze_<fn>(x, y, n)    fn: sigmoid = 1 / (1 + exp(0 - x)), silu = x / (1 + exp(-x))
+    braze_<fn>(x, y, n)    fn: sigmoid = 1 / (1 + exp(0 - x)), silu = x / (1 + exp(-x)),
+                           gelu_tanh = (0.5 x) (1 + tanh(beta fma(x x x, kappa, x)))
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
 STEP = 2 * LANES  # vectorized_loop handles two vectors a step
 GRAIN = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits between threads from here
 V16 = ll.VectorType(F32, LANES)
-FUNCTIONS = ("sigmoid", "silu")
+# fn -> (the Sleef function of its vector body, the libm one of its scalar tail)
+FUNCTIONS = {
+    "sigmoid": ("Sleef_expf16_u10", "expf"),
+    "silu": ("Sleef_expf16_u10", "expf"),
+    "gelu_tanh": ("Sleef_tanhf16_u10", "tanhf"),
+}
+# ATen's gelu runs its loop on one thread up to this many elements, else in one chunk per thread
+# (grain n / threads); the others split from GRAIN on, in chunks of at least GRAIN.
+GELU_SERIAL = 16384
 CAPABILITY = "AVX512"
 
 
@@ -33,16 +44,27 @@ def name(fn: str) -> str:
     return f"braze_{fn}"
 
 
-def _formula(fn: str, b: ll.IRBuilder, x: ll.Value, exp: ll.Function) -> ll.Value:
-    """ATen's arithmetic: the same in the body (x a vector, exp Sleef's) and the tail (glibc's)."""
+def _formula(fn: str, b: ll.IRBuilder, x: ll.Value, f: ll.Function) -> ll.Value:
+    """ATen's arithmetic: the same in the body (x a vector, f Sleef's) and the tail (glibc's)."""
     vector = isinstance(x.type, ll.VectorType)
-    one = ll.Constant(x.type, [1.0] * LANES if vector else 1.0)
+    const = lambda v: ll.Constant(x.type, [v] * LANES if vector else v)  # noqa: E731
+    one = const(1.0)
     if fn == "sigmoid":  # body: (0 - x); tail: -x. Both exp(..) + 1, then 1 / that
-        zero = ll.Constant(x.type, [0.0] * LANES if vector else 0.0)
-        e = b.call(exp, [b.fsub(zero, x) if vector else b.fneg(x)])
+        e = b.call(f, [b.fsub(const(0.0), x) if vector else b.fneg(x)])
         return b.fdiv(one, b.fadd(e, one) if vector else b.fadd(one, e))
-    e = b.call(exp, [b.fneg(x)])
+    if fn == "gelu_tanh":  # (0.5 * x) * (1 + tanh(beta * fma(x * x * x, kappa, x))): GCC fused it
+        fma = f"llvm.fma.v{LANES}f32" if vector else "llvm.fma.f32"
+        fma = b.module.globals.get(fma) or ll.Function(b.module, ll.FunctionType(x.type, [x.type] * 3), fma)
+        inner = b.call(fma, [b.fmul(b.fmul(x, x), x), const(_f32(0.044715)), x])
+        t = b.call(f, [b.fmul(const(_f32(0.5 * 2**0.5 * 2 / torch.pi**0.5)), inner)])
+        return b.fmul(b.fmul(const(0.5), x), b.fadd(one, t))
+    e = b.call(f, [b.fneg(x)])
     return b.fdiv(x, b.fadd(one, e))
+
+
+def _f32(v: float) -> float:
+    """A double rounded to float, as `static_cast<float>` of ATen's constant."""
+    return torch.tensor(v, dtype=torch.float32).item()
 
 
 def _chunk(module: ll.Module, fn: str) -> ll.Function:
@@ -51,10 +73,9 @@ def _chunk(module: ll.Module, fn: str) -> ll.Function:
     f.linkage = "internal"
     x, y, n = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
-    sleef = module.globals.get("Sleef_expf16_u10") or ll.Function(
-        module, ll.FunctionType(V16, [V16]), "Sleef_expf16_u10"
-    )
-    expf = module.globals.get("expf") or ll.Function(module, ll.FunctionType(F32, [F32]), "expf")
+    body, tail = FUNCTIONS[fn]
+    sleef = module.globals.get(body) or ll.Function(module, ll.FunctionType(V16, [V16]), body)
+    libm = module.globals.get(tail) or ll.Function(module, ll.FunctionType(F32, [F32]), tail)
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     body_end = b.mul(b.sdiv(n, I64(STEP)), I64(STEP))
     with counted_loop(b, I64(0), body_end, STEP) as i:
@@ -63,7 +84,7 @@ def _chunk(module: ll.Module, fn: str) -> ll.Function:
             v = b.load(at(x, j), typ=V16, align=4)
             b.store(_formula(fn, b, v, sleef), at(y, j), align=4)
     with counted_loop(b, body_end, n) as i:
-        b.store(_formula(fn, b, b.load(at(x, i), typ=F32), expf), at(y, i))
+        b.store(_formula(fn, b, b.load(at(x, i), typ=F32), libm), at(y, i))
     b.ret_void()
     return f
 
@@ -93,9 +114,12 @@ def _entry(module: ll.Module, fn: str) -> None:
     x, y, n = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     threads = b.sext(b.call(max_threads, []), I64)
-    parts = b.sdiv(b.add(n, I64(GRAIN - 1)), I64(GRAIN))
+    grain: ll.Value = I64(GRAIN)
+    if fn == "gelu_tanh":
+        grain = b.select(b.icmp_signed(">", n, I64(GELU_SERIAL)), b.sdiv(n, threads), grain)
+    parts = b.sdiv(b.add(n, b.sub(grain, I64(1))), grain)
     parts = b.select(b.icmp_signed("<", threads, parts), threads, parts)
-    serial = b.or_(b.icmp_signed("<", n, I64(GRAIN)), b.icmp_signed("==", threads, I64(1)))
+    serial = b.or_(b.icmp_signed("<", n, grain), b.icmp_signed("==", threads, I64(1)))
     with b.if_else(serial) as (one, many):
         with one:
             b.call(chunk, [x, y, n])
@@ -148,10 +172,14 @@ def why_not(fn: str) -> str | None:
 
 @functools.cache
 def _same(fn: str, threads: int) -> bool:  # threads: in the cache key
-    aten = getattr(torch, fn) if fn == "sigmoid" else torch.nn.functional.silu
+    aten = {
+        "sigmoid": torch.sigmoid,
+        "silu": torch.nn.functional.silu,
+        "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    }[fn]
     gen = torch.Generator().manual_seed(0)
     special = [0.0, -0.0, 1e-45, -1e-40, 88.7, -88.8, 104.0, -104.0, 3e38, float("inf"), -float("inf")]
-    for n in (1, 31, 32, 33, 63, 64, 65, 1000, 32767, 32768, 32769, 65536 + 57, 3 * 32768 + 5):
+    for n in (1, 31, 32, 33, 63, 64, 65, 1000, 16384, 16385, 20001, 32767, 32768, 32769, 65536 + 57, 3 * 32768 + 5):
         x = (torch.rand(n, generator=gen) - 0.5) * 40
         x[: min(n, len(special))] = torch.tensor(special[:n])
         if not jit.same_bits(run(fn, x), aten(x), nan_payloads=False):

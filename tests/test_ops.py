@@ -55,6 +55,7 @@ NATIVE = [
     ("atan", torch.atan, 1),
     ("sigmoid", torch.sigmoid, 1),
     ("silu", F.silu, 1),
+    ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), 1),
     ("rsqrt_of_sum", lambda x: torch.rsqrt(x * x + 1e-6), 1),
     ("relu", torch.relu, 1),
     ("F.relu", F.relu, 1),
@@ -289,11 +290,14 @@ def test_vector_math_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("op", [torch.sigmoid, F.silu], ids=["sigmoid", "silu"])
+@pytest.mark.parametrize(
+    "op", [torch.sigmoid, F.silu, lambda x: F.gelu(x, approximate="tanh")], ids=["sigmoid", "silu", "gelu_tanh"]
+)
 def test_sleef_activations_take_atens_loop_across_threads_and_lengths(op, n, threads):
-    # Sleef in ATen's vector body, glibc in its scalar tails; from 32768 elements a tail per thread.
+    # Sleef in ATen's vector body, glibc in its scalar tails; from 32768 elements (gelu: 16385)
+    # a tail per thread.
     threads(n)
-    for length in (31, 32, 33, 65, 32767, 32768, 32769, 65536 + 33, 100003):
+    for length in (31, 32, 33, 65, 16384, 16385, 20001, 32767, 32768, 32769, 65536 + 33, 100003):
         check_model(op, (special(length) * 20,), kernels=1, externs=0)
     check_model(op, (special(7, 33).t(),), externs=1)  # strided: ATen's loop differs; its call
 

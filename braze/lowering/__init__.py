@@ -28,6 +28,7 @@ from .elementwise import (
     _binary,
     _clamp,
     _clamp_one,
+    _gelu,
     _hardsigmoid,
     _hardswish,
     _hardtanh_any,
@@ -109,6 +110,7 @@ def _rows() -> None:
         register(getattr(torch, name), name, f"{name}_", *extra)(_vml(name))
     register(torch.sigmoid, F.sigmoid, "sigmoid", "sigmoid_", nn.Sigmoid)(_sleef("sigmoid"))
     register(F.silu, nn.SiLU)(_sleef("silu"))
+    register(F.gelu, nn.GELU)(_gelu)
     register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
     register(torch.square, "square", "square_")(_pow_by(2))
     register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))

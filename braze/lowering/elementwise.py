@@ -189,7 +189,7 @@ def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
 
 
 def _sleef(name: str) -> Callable[..., Sym]:
-    """sigmoid, silu: sleef.py's kernels, which take ATen's loop (Sleef in the vector body,
+    """sigmoid, silu, gelu_tanh: sleef.py's kernels, which take ATen's loop (Sleef in the vector body,
     glibc in the scalar tails, the threads' chunks), on a contiguous input, where a probe shows
     they give ATen's bits."""
 
@@ -206,6 +206,15 @@ def _sleef(name: str) -> Callable[..., Sym]:
         return lw.emit(Op.ACTIVATION, (x.name,), out, fn=name)
 
     return row
+
+
+def _gelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """gelu with approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The exact
+    form runs oneDNN's JIT polynomial in ATen (a table of 25), which braze does not reproduce."""
+    approximate = fn.approximate if isinstance(fn, torch.nn.GELU) else kwargs.get("approximate", "none")
+    if approximate != "tanh":
+        raise NotNative("gelu without approximate='tanh' runs oneDNN's polynomial in ATen: not reproduced")
+    return _sleef("gelu_tanh")(lw, fn, args, {k: v for k, v in kwargs.items() if k != "approximate"}, out)
 
 
 def _vml(name: str) -> Callable[..., Sym]:
