@@ -109,11 +109,7 @@ def _row_moments(b: ll.IRBuilder, x: ll.Value, n_total: ll.Value) -> tuple[ll.Va
     """ATen's RowwiseMoments of the n_total floats at x: (mean, variance)."""
     n = b.sdiv(n_total, I64(LANES))
     m = b.sdiv(b.add(n, I64(CHUNK - 1)), I64(CHUNK))
-    ctlz = b.module.globals.get("llvm.ctlz.i64") or ll.Function(
-        b.module, ll.FunctionType(I64, [I64, ll.IntType(1)]), "llvm.ctlz.i64"
-    )
-    log = b.sub(I64(64), b.call(ctlz, [b.sub(m, I64(1)), ll.IntType(1)(0)]))  # CeilLog2, for m > 2
-    depth = b.select(b.icmp_signed("<=", m, I64(2)), I64(1), log)
+    depth = _ceil_log2(b, m)
     stack = _Moments(b, V8, MAX_DEPTH)
     with counted_loop(b, I64(0), depth) as d:
         stack.clear(b, d)
@@ -162,6 +158,15 @@ def _row_moments(b: ll.IRBuilder, x: ll.Value, n_total: ll.Value) -> tuple[ll.Va
         _add_moments(b, add, (t0, t1, t2), False)
     mean = b.load(t1, typ=F32)
     return mean, b.fdiv(b.load(t2, typ=F32), b.sitofp(n_total, F32))
+
+
+def _ceil_log2(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
+    """ATen's utils::CeilLog2: 1 up to 2, else the bits of x - 1."""
+    ctlz = b.module.globals.get("llvm.ctlz.i64") or ll.Function(
+        b.module, ll.FunctionType(I64, [I64, ll.IntType(1)]), "llvm.ctlz.i64"
+    )
+    log = b.sub(I64(64), b.call(ctlz, [b.sub(x, I64(1)), ll.IntType(1)(0)]))
+    return b.select(b.icmp_signed("<=", x, I64(2)), I64(1), log)
 
 
 def _f32_recip(k: int) -> float:
@@ -343,12 +348,7 @@ def _multi_row_sum(b: ll.IRBuilder, ty: ll.Type, load: Callable[[ll.Value, int],
     for level in acc:
         for p in level:
             b.store(zero, p)
-    ctlz = b.module.globals.get("llvm.ctlz.i64") or ll.Function(
-        b.module, ll.FunctionType(I64, [I64, ll.IntType(1)]), "llvm.ctlz.i64"
-    )
-    log = b.sub(I64(64), b.call(ctlz, [b.sub(size, I64(1)), ll.IntType(1)(0)]))
-    log = b.select(b.icmp_signed("<=", size, I64(2)), I64(1), log)  # utils::CeilLog2
-    power = b.sdiv(log, I64(LEVELS))
+    power = b.sdiv(_ceil_log2(b, size), I64(LEVELS))
     power = b.select(b.icmp_signed("<", power, I64(4)), I64(4), power)
     step = b.shl(I64(1), power)
     mask = b.sub(step, I64(1))
