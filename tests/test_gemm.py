@@ -145,6 +145,16 @@ def test_bmm_aten_computes_otherwise_runs_through_aten(a, b):
     check_model(torch.matmul, (a, b))
 
 
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_matmul_of_more_batch_dimensions_is_one_bmm(heads_first):
+    # Attention written by hand: (batch, heads, seq, dim) @ its keys transposed. ATen reshapes
+    # both to (batch * heads, ...) (a copy where they do not merge) and calls bmm.
+    q = torch.randn(2, 4, 33, 16)
+    k = torch.randn(2, 4, 33, 16) if heads_first else torch.randn(2, 33, 4, 16).transpose(1, 2)
+    check_model(lambda x, y: x @ y.transpose(-1, -2), (q, k), externs=0)
+    check_model(torch.matmul, (torch.randn(2, 2, 3, 20, 24), torch.randn(2, 2, 3, 24, 30)), kernels=1, externs=0)
+
+
 def test_batched_matmul_that_broadcasts_runs_through_aten():
     check_model(torch.matmul, (torch.randn(4, 8, 16), torch.randn(1, 16, 6)), externs=1)
 

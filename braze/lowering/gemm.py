@@ -278,11 +278,16 @@ def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any) -> Sym:
         # should_fold: the leading dimensions merge without a copy, so ATen folds them into the
         # rows of one mm (whether or not b requires grad), then views the result
         return _gemm_on_rows(lw, a, b, None, 0.0, out)
-    if da == db == 3 and a.meta.shape[0] == b.meta.shape[0]:
-        # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(shape), which may
-        # give size-1 dimensions other strides (and so other BLAS arguments): take its layouts.
-        a, b = (lw.view(t, lambda e: e.expand(e.shape).reshape(e.shape)) for t in (a, b))
-        return _bmm(lw, torch.bmm, (a, b), {}, out)
+    if da >= 3 and db >= 3 and a.meta.shape[:-2] == b.meta.shape[:-2]:
+        # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(batches, rows, cols),
+        # which may give size-1 dimensions other strides (and so other BLAS arguments) or copy
+        # (a batch that does not merge): take its layouts; then it views the result.
+        batches = math.prod(a.meta.shape[:-2])
+        a, b = (lw.view(t, lambda e: e.expand(e.shape).reshape(batches, *e.shape[-2:])) for t in (a, b))
+        if not (isinstance(out, torch.Tensor) and out.is_contiguous()):
+            raise NotNative("a batched matmul whose result is not laid out as bmm's")
+        product = _bmm(lw, torch.bmm, (a, b), {}, out.view(batches, *out.shape[-2:]))
+        return lw.view(product, lambda t: t.view(out.shape))
     raise NotNative("matmul ATen computes with a matrix-vector product, a copy or a broadcast batch")
 
 
