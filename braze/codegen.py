@@ -56,7 +56,6 @@ class ModuleBuilder:
         self.prefix = prefix
         self.slot_of = slot_of
         self.parallel_threshold = parallel_threshold
-        self._decls: dict[str, ll.Function] = {}
         self._used: dict[str, int] = {}
         self.clock: ll.GlobalVariable | None = None  # cycles spent in BLAS calls (config.blas_clock)
         if blas_clock:
@@ -67,9 +66,7 @@ class ModuleBuilder:
             nb.ret(self._cycles(nb))
 
     def declare(self, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
-        if name not in self._decls:
-            self._decls[name] = ll.Function(self.module, ll.FunctionType(ret, args), name)
-        return self._decls[name]
+        return declared(self.module, name, ret, args)
 
     def unique(self, base: str) -> str:
         self._used[base] = self._used.get(base, -1) + 1
@@ -721,12 +718,21 @@ def _scalar_op(
     raise NotImplementedError(op)
 
 
-def _intrinsic(b: ll.IRBuilder, name: str, x: ll.Value) -> ll.Value:
-    """LLVM's `llvm.<name>` on a float or a vector of floats (fabs, sqrt: exact IEEE operations)."""
-    ty = x.type
+def declared(module: ll.Module, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
+    """The function `name` of `module` (an intrinsic, or one linked by name), declared once."""
+    return module.globals.get(name) or ll.Function(module, ll.FunctionType(ret, args), name)
+
+
+def _intrinsic(b: ll.IRBuilder, name: str, *xs: ll.Value) -> ll.Value:
+    """LLVM's `llvm.<name>` on floats or vectors of floats (fabs, sqrt, fma: exact IEEE operations)."""
+    ty = xs[0].type
     full = f"llvm.{name}.v{ty.count}f32" if isinstance(ty, ll.VectorType) else f"llvm.{name}.f32"
-    fn = b.module.globals.get(full) or ll.Function(b.module, ll.FunctionType(ty, [ty]), full)
-    return b.call(fn, [x])
+    return b.call(declared(b.module, full, ty, [ty] * len(xs)), list(xs))
+
+
+def fma(b: ll.IRBuilder, x: ll.Value, y: ll.Value, z: ll.Value) -> ll.Value:
+    """x * y + z rounded once, where ATen's build has an FMA (GCC contracted it)."""
+    return _intrinsic(b, "fma", x, y, z)
 
 
 _COMPARE = {Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.EQ: "=="}

@@ -33,7 +33,7 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I32, I64, PTR, VOID, counted_loop
+from .codegen import F32, I32, I64, PTR, VOID, counted_loop, declared, fma
 from .sleef import GRAIN
 
 LANES = 8  # ATen's layer_norm kernel is an AVX2 build here: Vectorized<float> has 8 lanes
@@ -46,14 +46,6 @@ LAYER_NORM = "braze_layer_norm_rows"
 def _splat(b: ll.IRBuilder, x: ll.Value, lanes: int = LANES) -> ll.Value:
     one = b.insert_element(ll.Constant(ll.VectorType(F32, 1), ll.Undefined), x, I64(0))
     return b.shuffle_vector(one, one, ll.Constant(ll.VectorType(ll.IntType(32), lanes), [0] * lanes))
-
-
-def _fma(b: ll.IRBuilder, x: ll.Value, y: ll.Value, z: ll.Value) -> ll.Value:
-    """x * y + z rounded once (GCC contracted these in ATen's build)."""
-    ty = x.type
-    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ll.VectorType) else "llvm.fma.f32"
-    fn = b.module.globals.get(name) or ll.Function(b.module, ll.FunctionType(ty, [ty, ty, ty]), name)
-    return b.call(fn, [x, y, z])
 
 
 class _Moments:
@@ -97,11 +89,11 @@ def _add_moments(
         c, m0f = _splat(b, c), _splat(b, m0f)
         delta = b.fsub(m1_add, m1)
         b.store(b.fadd(m1, b.fmul(c, delta)), p1)
-        b.store(_fma(b, b.fmul(delta, m0f), b.fmul(c, delta), b.fadd(m2, m2_add)), p2)
+        b.store(fma(b, b.fmul(delta, m0f), b.fmul(c, delta), b.fadd(m2, m2_add)), p2)
     else:
         delta = b.fsub(m1_add, m1)
-        b.store(_fma(b, c, delta, m1), p1)
-        b.store(b.fadd(m2, _fma(b, b.fmul(b.fmul(delta, delta), c), m0f, m2_add)), p2)
+        b.store(fma(b, c, delta, m1), p1)
+        b.store(b.fadd(m2, fma(b, b.fmul(b.fmul(delta, delta), c), m0f, m2_add)), p2)
     b.store(n, p0)
 
 
@@ -130,9 +122,9 @@ def _row_moments(b: ll.IRBuilder, x: ll.Value, n_total: ll.Value) -> tuple[ll.Va
             c = _splat(b, b.load(b.gep(recips, [I64(0), j], source_etype=recips.value_type), typ=F32))
             # Both updates of the chunk loop are fused (found by trying each placement against ATen:
             # 0 of 10^5 outputs differ this way, hundreds any other way).
-            m1 = _fma(b, delta, c, m1)
+            m1 = fma(b, delta, c, m1)
             b.store(m1, p1)
-            b.store(_fma(b, delta, b.fsub(xv, m1), b.load(p2, typ=V8)), p2)
+            b.store(fma(b, delta, b.fsub(xv, m1), b.load(p2, typ=V8)), p2)
         _add_moments(b, (count, b.load(p1, typ=V8), b.load(p2, typ=V8)), stack.at(b, I64(0)), True)
         _cascade(b, stack, b.add(i, I64(1)), depth)
     with counted_loop(b, I64(1), depth) as d:
@@ -162,9 +154,7 @@ def _row_moments(b: ll.IRBuilder, x: ll.Value, n_total: ll.Value) -> tuple[ll.Va
 
 def _ceil_log2(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
     """ATen's utils::CeilLog2: 1 up to 2, else the bits of x - 1."""
-    ctlz = b.module.globals.get("llvm.ctlz.i64") or ll.Function(
-        b.module, ll.FunctionType(I64, [I64, ll.IntType(1)]), "llvm.ctlz.i64"
-    )
+    ctlz = declared(b.module, "llvm.ctlz.i64", I64, [I64, ll.IntType(1)])
     log = b.sub(I64(64), b.call(ctlz, [b.sub(x, I64(1)), ll.IntType(1)(0)]))
     return b.select(b.icmp_signed("<=", x, I64(2)), I64(1), log)
 
@@ -214,7 +204,7 @@ def _layer_norm(module: ll.Module) -> None:
             at = lambda p: b.gep(p, [j], source_etype=F32)  # noqa: E731
             s, m = (_splat(b, shift), _splat(b, rstd)) if width > 1 else (shift, rstd)
             xv, wv, bv = (b.load(at(p), typ=ty, align=4) for p in (xr, w, bias))
-            b.store(_fma(b, b.fmul(b.fadd(xv, s), m), wv, bv), at(yr), align=4)
+            b.store(fma(b, b.fmul(b.fadd(xv, s), m), wv, bv), at(yr), align=4)
 
         body_end = b.and_(n, I64(-LANES))
         with counted_loop(b, I64(0), body_end, LANES) as j:
@@ -240,23 +230,24 @@ def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
     return b.select(b.fcmp_unordered("uno", x, y), ones, b.select(b.fcmp_ordered(">", x, y), x, y))
 
 
+def _lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
+    """The 16 lanes' mask: lane i < count."""
+    lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
+    one = ll.Constant(ll.VectorType(I32, 1), ll.Undefined)
+    limit = b.shuffle_vector(
+        b.insert_element(one, b.trunc(count, I32), I64(0)), one, ll.Constant(ll.VectorType(I32, WIDE), [0] * WIDE)
+    )
+    return b.icmp_signed("<", lanes, limit)
+
+
 def _partial(b: ll.IRBuilder, ptr: ll.Value, count: ll.Value, store: ll.Value | None = None) -> ll.Value | None:
     """Vectorized::loadu(ptr, count) (lanes past count are 0) or store(ptr, count)."""
-    lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
-    limit = b.shuffle_vector(
-        b.insert_element(ll.Constant(ll.VectorType(I32, 1), ll.Undefined), b.trunc(count, I32), I64(0)),
-        ll.Constant(ll.VectorType(I32, 1), ll.Undefined),
-        ll.Constant(ll.VectorType(I32, WIDE), [0] * WIDE),
-    )
-    mask = b.icmp_signed("<", lanes, limit)
-    m = b.module
+    mask = _lanes_below(b, count)
     if store is None:
-        name = "llvm.masked.load.v16f32.p0"
-        fn = m.globals.get(name) or ll.Function(m, ll.FunctionType(V16, [PTR, I32, mask.type, V16]), name)
-        return b.call(fn, [ptr, I32(4), mask, ll.Constant(V16, [0.0] * WIDE)])
-    name = "llvm.masked.store.v16f32.p0"
-    fn = m.globals.get(name) or ll.Function(m, ll.FunctionType(VOID, [V16, PTR, I32, mask.type]), name)
-    b.call(fn, [store, ptr, I32(4), mask])
+        load = declared(b.module, "llvm.masked.load.v16f32.p0", V16, [PTR, I32, mask.type, V16])
+        return b.call(load, [ptr, I32(4), mask, ll.Constant(V16, [0.0] * WIDE)])
+    write = declared(b.module, "llvm.masked.store.v16f32.p0", VOID, [V16, PTR, I32, mask.type])
+    b.call(write, [store, ptr, I32(4), mask])
     return None
 
 
@@ -281,13 +272,7 @@ def _reduce_all(b: ll.IRBuilder, op: Callable, x: ll.Value, n: ll.Value) -> ll.V
             with b.if_then(b.icmp_signed(">", rest, I64(0))):
                 tail = _partial(b, b.gep(x, [whole], source_etype=F32), rest)
                 a = b.load(acc, typ=V16)
-                lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
-                limit = b.shuffle_vector(
-                    b.insert_element(ll.Constant(ll.VectorType(I32, 1), ll.Undefined), b.trunc(rest, I32), I64(0)),
-                    ll.Constant(ll.VectorType(I32, 1), ll.Undefined),
-                    ll.Constant(ll.VectorType(I32, WIDE), [0] * WIDE),
-                )
-                b.store(b.select(b.icmp_signed("<", lanes, limit), op(b, a, tail), a), acc)
+                b.store(b.select(_lanes_below(b, rest), op(b, a, tail), a), acc)
             v = b.load(acc, typ=V16)
             for step in (8, 4, 2, 1):
                 mask = ll.Constant(ll.VectorType(I32, WIDE), [i ^ step for i in range(WIDE)])
@@ -300,7 +285,7 @@ def _softmax(module: ll.Module, log: bool) -> None:
     fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64]), LOG_SOFTMAX if log else SOFTMAX)
     x, y, n, lo, hi = fn.args
     b = ll.IRBuilder(fn.append_basic_block("entry"))
-    sleef = lambda name: module.globals.get(name) or ll.Function(module, ll.FunctionType(V16, [V16]), name)  # noqa: E731
+    sleef = lambda name: declared(module, name, V16, [V16])  # noqa: E731
     exp = sleef("Sleef_expf16_u10")
 
     def vmap(src: ll.Value, dst: ll.Value, f: Callable[[ll.Value], ll.Value]) -> None:
@@ -438,9 +423,7 @@ def _sum(module: ll.Module) -> None:
     fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)]), SUM)
     x, y, n, lo, hi, rows, mean = fn.args
     b = ll.IRBuilder(fn.append_basic_block("entry"))
-    max_threads = module.globals.get("omp_get_max_threads") or ll.Function(
-        module, ll.FunctionType(I32, []), "omp_get_max_threads"
-    )
+    max_threads = declared(module, "omp_get_max_threads", I32, [])
     threads = b.sext(b.call(max_threads, []), I64)
     with b.goto_entry_block():
         out = b.alloca(F32)

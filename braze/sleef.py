@@ -1,6 +1,6 @@
 """ATen's Sleef-based float32 activations (sigmoid, silu, gelu with approximate="tanh"),
-reproduced with ATen's loop: built
-once per process into the JIT, probed against ATen before use, called by programs by name.
+reproduced with ATen's loop: built once per process into the JIT, probed against ATen before
+use, called by programs by name.
 
 Why a loop of its own: these kernels give different bits in the vector body (Sleef's expf16_u10,
 16 lanes, two vectors a step) and in the scalar tail (glibc's expf) of ATen's vectorized_loop,
@@ -22,7 +22,7 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I32, I64, PTR, VOID, counted_loop
+from .codegen import F32, I32, I64, PTR, VOID, counted_loop, declared, fma
 
 LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
 STEP = 2 * LANES  # vectorized_loop handles two vectors a step
@@ -53,9 +53,7 @@ def _formula(fn: str, b: ll.IRBuilder, x: ll.Value, f: ll.Function) -> ll.Value:
         e = b.call(f, [b.fsub(const(0.0), x) if vector else b.fneg(x)])
         return b.fdiv(one, b.fadd(e, one) if vector else b.fadd(one, e))
     if fn == "gelu_tanh":  # (0.5 * x) * (1 + tanh(beta * fma(x * x * x, kappa, x))): GCC fused it
-        fma = f"llvm.fma.v{LANES}f32" if vector else "llvm.fma.f32"
-        fma = b.module.globals.get(fma) or ll.Function(b.module, ll.FunctionType(x.type, [x.type] * 3), fma)
-        inner = b.call(fma, [b.fmul(b.fmul(x, x), x), const(_f32(0.044715)), x])
+        inner = fma(b, b.fmul(b.fmul(x, x), x), const(_f32(0.044715)), x)
         t = b.call(f, [b.fmul(const(_f32(0.5 * 2**0.5 * 2 / torch.pi**0.5)), inner)])
         return b.fmul(b.fmul(const(0.5), x), b.fadd(one, t))
     e = b.call(f, [b.fneg(x)])
@@ -74,8 +72,7 @@ def _chunk(module: ll.Module, fn: str) -> ll.Function:
     x, y, n = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     body, tail = FUNCTIONS[fn]
-    sleef = module.globals.get(body) or ll.Function(module, ll.FunctionType(V16, [V16]), body)
-    libm = module.globals.get(tail) or ll.Function(module, ll.FunctionType(F32, [F32]), tail)
+    sleef, libm = declared(module, body, V16, [V16]), declared(module, tail, F32, [F32])
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     body_end = b.mul(b.sdiv(n, I64(STEP)), I64(STEP))
     with counted_loop(b, I64(0), body_end, STEP) as i:
@@ -92,10 +89,9 @@ def _chunk(module: ll.Module, fn: str) -> ll.Function:
 def _entry(module: ll.Module, fn: str) -> None:
     """braze_<fn>(x, y, n): ATen's split between threads, then each chunk."""
     chunk = _chunk(module, fn)
-    decl = lambda n, ret, args: module.globals.get(n) or ll.Function(module, ll.FunctionType(ret, args), n)  # noqa: E731
-    max_threads = decl("omp_get_max_threads", I32, [])
-    thread_num = decl("omp_get_thread_num", I32, [])
-    gomp = decl("GOMP_parallel", VOID, [PTR, PTR, I32, I32])
+    max_threads = declared(module, "omp_get_max_threads", I32, [])
+    thread_num = declared(module, "omp_get_thread_num", I32, [])
+    gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
 
     team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{name(fn)}_team")
     team.linkage = "internal"
