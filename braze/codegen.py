@@ -11,6 +11,7 @@ same order, so results are bit-identical to eager.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -167,6 +168,8 @@ class ModuleBuilder:
                 self._rows(b, table, k)
             elif k.op is Op.ACTIVATION:
                 self._activation(b, table, k)
+            elif k.op is Op.MAX_POOL:
+                self._max_pool(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -318,6 +321,24 @@ class ModuleBuilder:
             kb.call(fn, [*ptrs, n, lo, hi])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, k.attrs["rows"])
+
+    def _max_pool(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """pool.py's kernel over the [H, W] planes, split between ATen's threads as loops are
+        (each plane is pooled whole by one thread: the split cannot change bits)."""
+        from . import pool  # built on this module's helpers
+
+        pool.library()  # in the JIT before this module, which calls it by name
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("max_pool"))
+        kern.linkage = "internal"
+        kb = ll.IRBuilder(kern.append_basic_block("entry"))
+        tbl, lo, hi = kern.args
+        ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (k.inputs[0], k.name)]
+        sizes = [self.dim(kb, tbl, d) for d in (*self.slot_of(k.inputs[0]).meta.shape[-2:], *k.meta.shape[-2:])]
+        window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
+        fn = self.declare(pool.MAX_POOL, VOID, [PTR, PTR] + [I64] * pool.ARGS)
+        kb.call(fn, [*ptrs, *sizes, *window, lo, hi])
+        kb.ret_void()
+        self._split(b, table, kern, k.meta.numel, math.prod(k.meta.shape[:-2]))
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
@@ -680,6 +701,8 @@ def _scalar_op(
         return x[0]
     if op in _ARITH:
         return _ARITH[op](b, x[0], x[1])
+    if op is Op.FMA:
+        return fma(b, *x)
     if op is Op.NEG:
         return b.fneg(x[0])
     if op is Op.ABS:  # clears the sign bit, as ATen's abs does

@@ -35,6 +35,7 @@ class Op(enum.Enum):
     MAXIMUM = "maximum"
     MINIMUM = "minimum"
     WHERE = "where"  # inputs: cond (bool), a, b
+    FMA = "fma"  # inputs[0] * inputs[1] + inputs[2], rounded once (where ATen's build fused them)
     LT = "lt"  # comparisons: float32 operands, a bool result
     LE = "le"
     GT = "gt"
@@ -55,6 +56,9 @@ class Op(enum.Enum):
     # n, rows, log
     SOFTMAX = "softmax"
     SUM = "sum"  # each row of inputs[0] (contiguous, attrs n long) summed as ATen; attrs: n, rows, mean
+    # max_pool2d of each [H, W] plane of inputs[0] (contiguous), as ATen (pool.py); attrs: kernel,
+    # stride, padding, dilation (pairs)
+    MAX_POOL = "max_pool"
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -62,10 +66,12 @@ class Op(enum.Enum):
 UNARY = frozenset({Op.NEG, Op.ABS, Op.RSQRT, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
-ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE}
+ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE, Op.FMA}
 # Ops whose value is computed by native code into its own buffer.
 KERNELS = (
-    frozenset({Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX, Op.SUM})
+    frozenset(
+        {Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX, Op.SUM, Op.MAX_POOL}
+    )
     | ELEMENTWISE
 )
 

@@ -12,6 +12,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     views.py        views, conversions, cat/stack, identity, dropout
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
     rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels
+    pool.py         max_pool2d through braze's pooling kernel; adaptive_avg_pool2d to 1 x 1 (a mean)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .. import jit
 from ..ir import Op
 from .core import LOWERINGS, Lowered, Lowerer, NotNative, Sym, Unsupported, lower, register, to_meta
 from .elementwise import (
+    _batch_norm,
     _binary,
     _clamp,
     _clamp_one,
@@ -47,6 +49,7 @@ from .elementwise import (
     _where,
 )
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
+from .pool import _adaptive_avg_pool2d, _max_pool2d
 from .rows import _layer_norm, _softmax, _sum
 from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op
 
@@ -168,6 +171,9 @@ def _rows() -> None:
     register(torch.log_softmax, F.log_softmax, "log_softmax", nn.LogSoftmax)(_softmax(log=True))
     register(torch.sum, "sum")(_sum(mean=False))
     register(torch.mean, "mean")(_sum(mean=True))
+    register(F.batch_norm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)(_batch_norm)
+    register(F.max_pool2d, torch.max_pool2d, nn.MaxPool2d)(_max_pool2d)
+    register(F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d)(_adaptive_avg_pool2d)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

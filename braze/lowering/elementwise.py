@@ -235,3 +235,48 @@ def _vml(name: str) -> Callable[..., Sym]:
         return lw.emit(Op.VML, (x.name,), out, fn=jit.VML_FUNCTIONS[name])
 
     return row
+
+
+_BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+
+
+def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """Eval-mode batch_norm of a contiguous input with running statistics, weight and bias, in
+    ATen's arithmetic (batch_norm_kernel.cpp, GCC's FMAs): per channel invstd = 1 / sqrt(var +
+    eps), alpha = invstd * weight, beta = fma(-mean, alpha, bias); then y = fma(x, alpha, beta).
+    The channel terms are recomputed each call from the live buffers (a few elementwise ops over
+    the channels); y is one elementwise op, fused with what follows (ReLU)."""
+    no_out(kwargs)
+    if isinstance(fn, torch.nn.modules.batchnorm._BatchNorm):
+        lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
+        if fn.training or not fn.track_running_stats:
+            raise NotNative("batch_norm with batch statistics (training, or no running statistics)")
+        given = {"input": args[0], "eps": fn.eps}
+        given |= {k: fn.get_buffer(k) if k.startswith("running") else getattr(fn, k) for k in _BATCH_NORM_ARGS[1:5]}
+        given = {k: lw.param(v, k) if isinstance(v, torch.Tensor) else v for k, v in given.items()}
+    else:
+        given = dict(zip(_BATCH_NORM_ARGS, args)) | kwargs
+        if given.get("training", False):
+            raise NotNative("batch_norm with batch statistics (training)")
+    x, eps = given["input"], given.get("eps", 1e-5)
+    channels = [given.get(k) for k in _BATCH_NORM_ARGS[1:5]]
+    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() >= 2):
+        raise NotNative("batch_norm of a tensor that is not float32 with a channel dimension")
+    if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise NotNative("batch_norm of a strided or channels-last input (ATen's other loop)")
+    c = x.meta.shape[1]
+    for t in channels:
+        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 and tuple(t.meta.shape) == (c,)):
+            raise NotNative("batch_norm without float32 running statistics, weight and bias of one value per channel")
+    if not isinstance(eps, float):
+        raise NotNative("batch_norm with an eps that is not a float")
+    if not jit.rsqrt_is_ieee():
+        raise NotNative("a probe found ATen's rsqrt is not 1 / sqrt in IEEE arithmetic here")
+    mean, var, weight, bias = channels
+    per_channel = torch.empty(c, device="meta")
+    invstd = lw.elementwise(Op.RSQRT, (lw.elementwise(Op.ADD, (var, eps), per_channel),), per_channel)
+    alpha = lw.elementwise(Op.MUL, (invstd, weight), per_channel)
+    beta = lw.elementwise(Op.FMA, (lw.elementwise(Op.NEG, (mean,), per_channel), alpha, bias), per_channel)
+    along = (c,) + (1,) * (x.meta.dim() - 2)
+    alpha, beta = (lw.view(v, lambda t: t.view(along)) for v in (alpha, beta))
+    return lw.elementwise(Op.FMA, (x, alpha, beta), out)

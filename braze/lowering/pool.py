@@ -1,0 +1,62 @@
+"""Pooling rows: max_pool2d through braze's pooling kernel (braze/pool.py), where a probe shows
+it gives ATen's bits; adaptive_avg_pool2d to 1 x 1 as the mean ATen computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.modules.utils import _pair
+
+from .. import pool
+from ..ir import Op
+from .core import Lowerer, NotNative, Sym, no_out
+from .rows import _sum
+
+_MAX_POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+
+
+def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """ATen's max_pool2d of a contiguous (C, H, W) or (N, C, H, W) input: pool.py's kernel over
+    each plane (ceil_mode only changes the output size, which lowering took from eager)."""
+    no_out(kwargs)
+    if isinstance(fn, torch.nn.MaxPool2d):
+        given = {k: getattr(fn, k) for k in _MAX_POOL_ARGS[1:]} | {"input": args[0]}
+    else:
+        given = dict(zip(_MAX_POOL_ARGS, args)) | kwargs
+    x = given.get("input", given.get("self"))
+    if given.get("return_indices"):
+        raise NotNative("max_pool2d returning indices")
+    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() in (3, 4)):
+        raise NotNative("max_pool2d of a tensor that is not float32 (C, H, W) or (N, C, H, W)")
+    if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise NotNative("max_pool2d of a strided or channels-last input (ATen's other loop)")
+    kernel = _pair(given["kernel_size"])
+    stride = _pair(given.get("stride") or kernel)  # None or [] means the kernel size, as in ATen
+    padding, dilation = _pair(given.get("padding", 0)), _pair(given.get("dilation", 1))
+    if not all(isinstance(v, int) for v in (*kernel, *stride, *padding, *dilation)):
+        raise NotNative("max_pool2d with sizes that are not integers")
+    if out.numel() == 0:
+        raise NotNative("max_pool2d with an empty result")
+    if not pool.max_pool_same():
+        raise NotNative("a probe found braze's max_pool2d does not give ATen's bits here")
+    return lw.emit(Op.MAX_POOL, (x.name,), out, kernel=kernel, stride=stride, padding=padding, dilation=dilation)
+
+
+def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """adaptive_avg_pool2d to 1 x 1, which ATen computes as mean over the last two dimensions: of
+    a contiguous input, the mean of each [H * W] row (rows.py's kernel, through _sum's checks)."""
+    no_out(kwargs)
+    if isinstance(fn, torch.nn.AdaptiveAvgPool2d):
+        x, size = args[0], fn.output_size
+    else:
+        given = dict(zip(("input", "output_size"), args)) | kwargs
+        x, size = given.get("input"), given.get("output_size")
+    if _pair(size) != (1, 1):
+        raise NotNative("adaptive_avg_pool2d to a size other than 1 x 1 (ATen's windowed kernel)")
+    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dim() in (3, 4)) or not isinstance(out, torch.Tensor):
+        raise NotNative("adaptive_avg_pool2d of a tensor that is not (C, H, W) or (N, C, H, W)")
+    planes = tuple(x.meta.shape[:-2])
+    rows = lw.view(x, lambda t: t.reshape(*planes, t.shape[-2] * t.shape[-1]))
+    mean = _sum(mean=True)(lw, torch.mean, (rows, -1), {}, torch.empty(planes, device="meta"))
+    return lw.view(mean, lambda t: t.view(out.shape))

@@ -1,0 +1,208 @@
+"""Convolutional-net layers vs eager, bit for bit: eval BatchNorm (an FMA per element), max_pool2d
+(pool.py's kernel), adaptive_avg_pool2d to 1 x 1 (a mean), and a small CNN with all of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import braze
+from braze import jit, pool
+
+from .helpers import check_model
+from .test_ops import special
+
+nn = torch.nn
+
+
+def _bn(kind: type, c: int, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    bn = kind(c).eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.0, 3.0)
+        bn.weight.normal_()
+        bn.bias.normal_()
+    return bn
+
+
+def _same_bits(compiled, fn, x) -> None:
+    # check_model's values compare -0.0 equal to 0.0; an FMA placed elsewhere changes signs of zeros
+    with torch.no_grad():
+        assert jit.same_bits(compiled(x), fn(x), nan_payloads=False)
+
+
+@pytest.mark.parametrize(
+    "kind,shape",
+    [
+        (nn.BatchNorm1d, (7, 33)),
+        (nn.BatchNorm1d, (3, 17, 15)),
+        (nn.BatchNorm2d, (1, 1, 1, 1)),
+        (nn.BatchNorm2d, (2, 16, 7, 9)),
+        (nn.BatchNorm2d, (3, 17, 33, 17)),
+        (nn.BatchNorm2d, (0, 5, 3, 3)),
+        (nn.BatchNorm3d, (2, 7, 3, 4, 5)),
+    ],
+    ids=str,
+)
+def test_eval_batch_norm_is_one_native_kernel_with_atens_bits(kind, shape):
+    bn = _bn(kind, shape[1])
+    x = special(*shape) * 10
+    compiled = check_model(bn, (x,), externs=0)
+    _same_bits(compiled, bn, x)
+    relu = nn.Sequential(bn, nn.ReLU())  # the per-element FMA and the ReLU: one loop
+    check_model(relu, (x,), externs=0, kernels=compiled.programs()[0].kernel_count)
+
+
+def test_batch_norm_channel_terms_with_special_values():
+    bn = _bn(nn.BatchNorm2d, 6)
+    with torch.no_grad():  # zero variance, negative variance (NaN), zero and infinite weights
+        bn.running_var[:3] = torch.tensor([0.0, -1.0, 1e-30])
+        bn.weight[3:] = torch.tensor([0.0, float("inf"), -0.0])
+    x = special(2, 6, 5, 7)
+    _same_bits(check_model(bn, (x,), externs=0), bn, x)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_batch_norm_across_threads_and_the_functional_form(n, threads):
+    threads(n)
+    bn = _bn(nn.BatchNorm2d, 32)
+    x = torch.randn(8, 32, 64, 64)
+    _same_bits(check_model(bn, (x,), externs=0), bn, x)
+
+    def functional(t):
+        return F.batch_norm(t, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.1, 1e-3)
+
+    check_model(functional, (x,), externs=0)
+
+
+@torch.no_grad()
+def test_batch_norm_reads_its_buffers_and_mode_at_each_call():
+    bn = _bn(nn.BatchNorm2d, 5)
+    x = torch.randn(4, 5, 6, 6)
+    compiled = braze.compile(nn.Sequential(bn))
+    compiled(x)
+    assert not compiled.programs()[0].externs
+    with torch.no_grad():
+        bn.running_var.mul_(2.0)
+        bn.weight.add_(1.0)
+    assert torch.equal(compiled(x), bn(x))
+    bn.train()  # batch statistics, and the running ones updated: eager's call
+    mean = bn.running_mean.clone()
+    want = F.batch_norm(x, mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, True, 0.1, bn.eps)
+    assert torch.equal(compiled(x), want)
+    assert not torch.equal(bn.running_mean, mean)
+
+
+def test_batch_norm_braze_cannot_match_stays_atens_call():
+    bn = _bn(nn.BatchNorm2d, 5)
+    x = torch.randn(2, 5, 6, 6)
+    compiled = check_model(bn, (x.to(memory_format=torch.channels_last),), externs=1)
+    assert "channels-last" in compiled.programs()[0].externs[0][1]
+    no_affine = nn.BatchNorm2d(5, affine=False).eval()
+    check_model(no_affine, (x,), externs=1)
+    check_model(nn.BatchNorm2d(5, track_running_stats=False).eval(), (x,), externs=1)
+
+
+WINDOWS = [
+    dict(kernel_size=2),
+    dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=3, stride=1, padding=1, dilation=2),
+    dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 0), ceil_mode=True),
+    dict(kernel_size=3, stride=2, ceil_mode=True),
+    dict(kernel_size=1),
+]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 7, 9), (3, 17, 33, 16), (5, 15, 15)], ids=str)
+def test_max_pool2d_is_native_with_atens_bits(window, shape):
+    if window["kernel_size"] != 1 and min(shape[-2:]) < 3:
+        pytest.skip("window larger than the image: eager raises (tested below)")
+    x = special(*shape) * 3
+    x.view(-1)[::5] = torch.round(x.view(-1)[::5])  # ties between equal values
+    fn = nn.MaxPool2d(**window)
+    check_model(fn, (x,), kernels=1, externs=0)
+    _same_bits(braze.compile(fn), fn, x)
+    check_model(lambda t: F.max_pool2d(t.relu(), **window), (x,), kernels=2, externs=0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_max_pool2d_splits_planes_between_threads(n, threads):
+    threads(n)
+    x = special(8, 64, 64, 64)
+    check_model(nn.MaxPool2d(2), (x,), kernels=1, externs=0)
+    check_model(nn.MaxPool2d(3, 2, 1), (special(1, 3, 97, 101),), kernels=1, externs=0)
+
+
+def test_max_pool2d_cases_braze_leaves_to_aten():
+    x = special(2, 3, 8, 8)
+    check_model(lambda t: F.max_pool2d(t, 2, return_indices=True), (x,), externs=1)
+    check_model(nn.MaxPool2d(2), (x.to(memory_format=torch.channels_last),), externs=1)
+    check_model(nn.MaxPool2d(2), (x.transpose(-1, -2),), externs=1)
+    check_model(nn.MaxPool2d(2), (torch.randn(0, 3, 8, 8),), externs=1)  # empty result
+    with pytest.raises(RuntimeError):
+        braze.compile(nn.MaxPool2d(3))(torch.randn(1, 1, 2, 2))
+
+
+def test_max_pool2d_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    monkeypatch.setattr(pool, "max_pool_same", lambda: False)
+    compiled = check_model(nn.MaxPool2d(2), (special(2, 3, 8, 8),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_max_pool_probe_can_fail(monkeypatch):
+    real = pool.max_pool2d_planes
+    monkeypatch.setattr(pool, "max_pool2d_planes", lambda *a: real(*a).nan_to_num())  # NaN not propagated
+    pool._max_pool_same.cache_clear()
+    try:
+        assert not pool.max_pool_same()
+    finally:
+        monkeypatch.undo()
+        pool._max_pool_same.cache_clear()
+    assert pool.max_pool_same()
+
+
+@pytest.mark.parametrize("shape", [(8, 128, 16, 16), (2, 3, 7, 9), (1, 5, 200, 200), (3, 1, 1), (0, 4, 3, 3)], ids=str)
+def test_global_average_pool_is_atens_mean(shape):
+    x = special(*shape) * 5 + 1
+    check_model(nn.AdaptiveAvgPool2d(1), (x,), externs=0)
+    check_model(lambda t: F.adaptive_avg_pool2d(t, (1, 1)).flatten(1), (x,), externs=0)
+    check_model(nn.AdaptiveAvgPool2d(2), (special(2, 3, 7, 9),), externs=1)  # windows: ATen's kernel
+
+
+def _small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1), _bn(nn.BatchNorm2d, cout, cout), nn.ReLU()]
+
+    layers = block(3, 16) + [nn.MaxPool2d(2)] + block(16, 32) + [nn.MaxPool2d(2)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+
+
+def test_a_small_cnn_runs_natively_but_its_convolutions():
+    model = _small_cnn()
+    for batch in (1, 3):
+        compiled = check_model(model, (torch.randn(batch, 3, 33, 31),), externs=2)
+        assert all("Conv2d" in label for label, _ in compiled.programs()[-1].externs)
+
+
+class _Branching(nn.Module):  # a branch on a value: torch.fx cannot trace it, TorchDynamo can
+    def __init__(self) -> None:
+        super().__init__()
+        self.cnn = _small_cnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.cnn(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_a_small_cnn_through_torchdynamo():
+    model = _Branching().eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        compiled = check_model(model, (x,))
+    externs = [label for program in compiled.programs() for label, _ in program.externs]
+    assert sorted(externs) == [".sum", "torch.conv2d", "torch.conv2d"]  # batch_norm, max_pool2d: native
