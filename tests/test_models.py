@@ -703,3 +703,12 @@ def test_a_compilation_storm_is_said_once_with_what_keeps_changing():
             compiled(torch.randn(batch, 64))
     storms = [str(w.message) for w in said if "keeps compiling" in str(w.message)]
     assert len(storms) == 1 and "mostly for argument 0's shape" in storms[0], storms
+
+
+@torch.no_grad()
+def test_more_models_through_torchdynamo_than_its_recompile_limit():
+    # Each wrapper enters TorchDynamo through a frame of its own: its limit of 8 graphs per code
+    # object made the ninth model of a process run eagerly when all came in through one.
+    for c in range(3, 13):
+        bn = torch.nn.BatchNorm2d(c).eval()  # torch.fx cannot trace it as the root: TorchDynamo
+        check_model(bn, (torch.randn(2, c, 4, 4),), externs=0)
