@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import llvmlite.ir as ll
 import torch
@@ -58,6 +59,9 @@ class ModuleBuilder:
         self.slot_of = slot_of
         self.parallel_threshold = parallel_threshold
         self._used: dict[str, int] = {}
+        # Elements of the loops codegen could not vectorise itself (strided innermost accesses):
+        # what LLVM's optimiser could still speed up (runtime decides whether to run it).
+        self.scalar_work: list[Dim] = []
         self.clock: ll.GlobalVariable | None = None  # cycles spent in BLAS calls (config.blas_clock)
         if blas_clock:
             self.clock = ll.GlobalVariable(self.module, I64, f"{prefix}_blas_cycles")
@@ -68,6 +72,12 @@ class ModuleBuilder:
 
     def declare(self, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
         return declared(self.module, name, ret, args)
+
+    def kernel(self, library: Any, name: str, args: list[ll.Type]) -> ll.Function:
+        """Kernel `name` of a kernel library (rows.py, sleef.py, pool.py), which builds it into the
+        JIT first if no probe or program has needed it yet, declared here to be called by name."""
+        library.library(name)
+        return self.declare(name, VOID, args)
 
     def unique(self, base: str) -> str:
         self._used[base] = self._used.get(base, -1) + 1
@@ -213,6 +223,8 @@ class ModuleBuilder:
         innermost = loops[-1].axis if loops else None
         vector = innermost is not None and all(acc[1][innermost] in (0, 1) for acc in accesses.values())
         vector = vector and (not isinstance(sizes[-1], int) or sizes[-1] >= WIDTH)
+        if not vector:
+            self.scalar_work.append(shape_meta.numel)
         emitter = _BodyEmitter(body, accesses, loops, operands, out.meta.dtype == torch.bool)
         _nest(kb, sizes, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
@@ -292,8 +304,7 @@ class ModuleBuilder:
         """sleef.py's kernel over the elements: it splits them between threads as ATen does."""
         from . import sleef  # built on this module's helpers
 
-        sleef.library()  # in the JIT before this module, which calls it by name
-        fn = self.declare(sleef.name(k.attrs["fn"]), VOID, [PTR, PTR, I64])
+        fn = self.kernel(sleef, sleef.name(k.attrs["fn"]), [PTR, PTR, I64])
         ptrs = [self.pointer(b, table, self.slot_of(name)) for name in (k.inputs[0], k.name)]
         b.call(fn, [*ptrs, self.dim(b, table, k.meta.numel)])
 
@@ -302,7 +313,6 @@ class ModuleBuilder:
         are (each row is computed whole by one thread, as in ATen: the split cannot change bits)."""
         from . import rows  # built on this module's helpers
 
-        rows.library()  # in the JIT before this module, which calls it by name
         kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique(k.op.value))
         kern.linkage = "internal"
         kb = ll.IRBuilder(kern.append_basic_block("entry"))
@@ -310,14 +320,14 @@ class ModuleBuilder:
         ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
         n = self.dim(kb, tbl, k.attrs["n"])
         if k.op is Op.LAYER_NORM:
-            fn = self.declare(rows.LAYER_NORM, VOID, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
+            fn = self.kernel(rows, rows.LAYER_NORM, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
             kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
         elif k.op is Op.SUM:
-            fn = self.declare(rows.SUM, VOID, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)])
+            fn = self.kernel(rows, rows.SUM, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)])
             total = self.dim(kb, tbl, k.attrs["rows"])
             kb.call(fn, [*ptrs, n, lo, hi, total, ll.IntType(1)(int(k.attrs["mean"]))])
         else:
-            fn = self.declare(rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX, VOID, [PTR, PTR, I64, I64, I64])
+            fn = self.kernel(rows, rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX, [PTR, PTR, I64, I64, I64])
             kb.call(fn, [*ptrs, n, lo, hi])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, k.attrs["rows"])
@@ -327,7 +337,6 @@ class ModuleBuilder:
         (each plane is pooled whole by one thread: the split cannot change bits)."""
         from . import pool  # built on this module's helpers
 
-        pool.library()  # in the JIT before this module, which calls it by name
         kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("max_pool"))
         kern.linkage = "internal"
         kb = ll.IRBuilder(kern.append_basic_block("entry"))
@@ -335,7 +344,7 @@ class ModuleBuilder:
         ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (k.inputs[0], k.name)]
         sizes = [self.dim(kb, tbl, d) for d in (*self.slot_of(k.inputs[0]).meta.shape[-2:], *k.meta.shape[-2:])]
         window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
-        fn = self.declare(pool.MAX_POOL, VOID, [PTR, PTR] + [I64] * pool.ARGS)
+        fn = self.kernel(pool, pool.MAX_POOL, [PTR, PTR] + [I64] * pool.ARGS)
         kb.call(fn, [*ptrs, *sizes, *window, lo, hi])
         kb.ret_void()
         self._split(b, table, kern, k.meta.numel, math.prod(k.meta.shape[:-2]))

@@ -326,10 +326,12 @@ class Program:
         text = str(mb.module)
         self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
         want = config.debug >= 4 or bool(config.debug_dir) or self._want_text
-        # A generic program compiles while a stream of calls waits on it: without LLVM's optimiser
-        # (the loops are vectorised by codegen; BERT's generic program ran no slower at -O0, and
-        # compiled 0.5 s sooner)
-        big = self._loop_work() >= config.optimize_threshold and self.family is None
+        # LLVM's optimiser only for loops codegen left scalar (strided): it gave the vector loops
+        # codegen writes nothing (cnn-small, mlp-wide, ResNet-18, GPT-2 ran 0.99-1.00x as fast
+        # with it) and cost 0.3-1.1 s of their first calls. A generic program compiles while a
+        # stream of calls waits on it: never.
+        scalar = sum(value(n, self.point) for n in mb.scalar_work)
+        big = scalar >= config.optimize_threshold and self.family is None
         level = config.opt_level if big else 0
         names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + clock + dims
         compiled = compile_module(text, names, level, want)
