@@ -86,20 +86,21 @@ def _max_pool(module: ll.Module) -> None:
     b.ret_void()
 
 
-def library() -> dict[str, int]:
-    """The pooling kernels in the JIT (built once per process), their addresses by name."""
-    return jit.library("pool", _build)
+def library(kernel: str) -> int:
+    """The address of pooling kernel `kernel`, built into the JIT once per process when a probe or
+    program first needs it (programs compiled later call it by name)."""
+    return jit.library(kernel, _build)[kernel]
 
 
 def _build() -> tuple[str, list[str]]:
-    module = ll.Module("braze_pool")
+    module = ll.Module(MAX_POOL)
     _max_pool(module)
     return str(module), [MAX_POOL]
 
 
 def max_pool2d_planes(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple, out: tuple):
     """The native max pool of a contiguous float32 [..., h, w] x into [..., *out] (for the probe)."""
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * ARGS)(library()[MAX_POOL])
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * ARGS)(library(MAX_POOL))
     h, w = x.shape[-2:]
     y = torch.empty(*x.shape[:-2], *out)
     planes = x.numel() // max(h * w, 1)

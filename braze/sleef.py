@@ -128,21 +128,21 @@ def _entry(module: ll.Module, fn: str) -> None:
     b.ret_void()
 
 
-def library() -> dict[str, int]:
-    """The kernels in the JIT (built once per process); their addresses by name."""
-    return jit.library("sleef", _build)
+def library(kernel: str) -> int:
+    """The address of kernel `kernel` (name(fn)), built into the JIT once per process when a probe
+    or program first needs it: each alone, so a model compiles only its own."""
+    return jit.library(kernel, lambda: _build(kernel))[kernel]
 
 
-def _build() -> tuple[str, list[str]]:
-    module = ll.Module("braze_sleef")
-    for fn in FUNCTIONS:
-        _entry(module, fn)
-    return str(module), [name(fn) for fn in FUNCTIONS]
+def _build(kernel: str) -> tuple[str, list[str]]:
+    module = ll.Module(kernel)
+    _entry(module, kernel.removeprefix(name("")))
+    return str(module), [kernel]
 
 
 def run(fn: str, x: torch.Tensor) -> torch.Tensor:
     """The native kernel on a contiguous float32 tensor (for the probe)."""
-    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(library()[name(fn)])
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(library(name(fn)))
     y = torch.empty_like(x)
     kernel(x.data_ptr(), y.data_ptr(), x.numel())
     return y
