@@ -205,4 +205,4 @@ def test_a_small_cnn_through_torchdynamo():
     with torch.no_grad():
         compiled = check_model(model, (x,))
     externs = [label for program in compiled.programs() for label, _ in program.externs]
-    assert sorted(externs) == [".sum", "torch.conv2d", "torch.conv2d"]  # batch_norm, max_pool2d: native
+    assert externs == ["torch.conv2d", "torch.conv2d"]  # batch_norm, max_pool2d, the means: native

@@ -193,11 +193,28 @@ def test_sum_over_the_last_dimension_of_many_rows_and_what_stays_aten(threads):
         check_model(lambda t: t.sum(-1), (torch.randn(n) * 1e3 + 1,), kernels=1, externs=0)
     for f, x in (
         (lambda t: t.sum(0), torch.randn(5, 9)),  # another dimension: ATen's outer sum
-        (lambda t: t.sum(), torch.randn(5, 9)),  # every element
+        (lambda t: t.sum((0, 2)), torch.randn(5, 9, 3)),
         (lambda t: t.t().sum(-1), torch.randn(9, 5)),  # a strided row
         (lambda t: t.sum(-1, dtype=torch.float64), torch.randn(3, 9)),
     ):
         check_model(f, (x,), externs=1)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_sums_over_the_last_dimensions_or_all_are_sums_of_merged_rows(n_threads, threads):
+    # ATen's reduction merges the reduced dimensions of a contiguous input into one row
+    threads(n_threads)
+    cases = [
+        (lambda t: t.mean((2, 3), keepdim=True), special(8, 33, 15, 17)),  # global average pooling
+        (lambda t: t.mean((-1, -2)), special(2, 3, 7, 9) * 1e3),
+        (lambda t: t.sum((1, 2)), special(3, 7, 11)),
+        (lambda t: t.sum(), special(5, 40000) + 1),  # one long row: two passes over threads
+        (lambda t: t.mean(), special(70001) * 1e3),
+        (lambda t: torch.sum(t, dim=None), special(3, 4, 5)),
+        (lambda t: t.sum(dim=(0, 1, 2), keepdim=True), special(3, 1, 33)),
+    ]
+    for f, x in cases:
+        check_model(f, (x,), kernels=1, externs=0)
 
 
 def test_sum_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):

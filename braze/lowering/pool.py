@@ -44,8 +44,7 @@ def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
 
 
 def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """adaptive_avg_pool2d to 1 x 1, which ATen computes as mean over the last two dimensions: of
-    a contiguous input, the mean of each [H * W] row (rows.py's kernel, through _sum's checks)."""
+    """adaptive_avg_pool2d to 1 x 1, which ATen computes as the mean over the last two dimensions."""
     no_out(kwargs)
     if isinstance(fn, torch.nn.AdaptiveAvgPool2d):
         x, size = args[0], fn.output_size
@@ -54,9 +53,6 @@ def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: A
         x, size = given.get("input"), given.get("output_size")
     if _pair(size) != (1, 1):
         raise NotNative("adaptive_avg_pool2d to a size other than 1 x 1 (ATen's windowed kernel)")
-    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dim() in (3, 4)) or not isinstance(out, torch.Tensor):
+    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dim() in (3, 4)):
         raise NotNative("adaptive_avg_pool2d of a tensor that is not (C, H, W) or (N, C, H, W)")
-    planes = tuple(x.meta.shape[:-2])
-    rows = lw.view(x, lambda t: t.reshape(*planes, t.shape[-2] * t.shape[-1]))
-    mean = _sum(mean=True)(lw, torch.mean, (rows, -1), {}, torch.empty(planes, device="meta"))
-    return lw.view(mean, lambda t: t.view(out.shape))
+    return _sum(mean=True)(lw, torch.mean, (x, (-2, -1), True), {}, out)

@@ -87,9 +87,10 @@ def _softmax(log: bool) -> Callable[..., Sym]:
 
 
 def _sum(mean: bool) -> Callable[..., Sym]:
-    """ATen's sum (mean: that sum / n) over the last dimension of a contiguous input: rows.py's
-    cascade sum (and its two passes over one long row). Other dimensions and strided inputs keep
-    ATen's call."""
+    """ATen's sum (mean: that sum / n) of a contiguous input over its last dimensions (or all of
+    them): ATen's reduction merges the reduced dimensions into one, so each row of the input viewed
+    as [kept..., reduced] goes through rows.py's cascade sum (and its two passes over one long
+    row). Other dimensions and strided inputs keep ATen's call."""
     label = "mean" if mean else "sum"
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -98,20 +99,22 @@ def _sum(mean: bool) -> Callable[..., Sym]:
         x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
         if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
             raise NotNative(f"{label} of a tensor that is not float32 with dimensions")
-        dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
-        last = x.meta.dim() - 1
-        if (
-            len(dims) != 1
-            or not isinstance(dims[0], int)
-            or dims[0] not in (-1, last)
-            or dtype not in (None, torch.float32)
-        ):
-            raise NotNative(f"{label} over other dimensions than the last alone, or into another dtype")
-        n = x.meta.shape[-1]
+        rank = x.meta.dim()
+        dims = range(rank) if dim is None else tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        if not dims or not all(isinstance(d, int) and -rank <= d < rank for d in dims):
+            raise NotNative(f"{label} over dimensions braze does not read")
+        kept = rank - len(dims)
+        if sorted(d % rank for d in dims) != list(range(kept, rank)) or dtype not in (None, torch.float32):
+            raise NotNative(f"{label} over other dimensions than the last ones, or into another dtype")
+        n = math.prod(x.meta.shape[kept:])
         if n == 0 or not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
             raise NotNative(f"{label} of an empty or strided row (ATen's loops take another order)")
         if not rows.sum_same():
             raise NotNative(f"a probe found braze's {label} does not give ATen's bits here")
-        return lw.emit(Op.SUM, (x.name,), out, n=n, rows=out.numel(), mean=mean)
+        lead = tuple(x.meta.shape[:kept])
+        if kept != rank - 1:
+            x = lw.view(x, lambda t: t.reshape(*lead, n))
+        total = lw.emit(Op.SUM, (x.name,), torch.empty(lead, device="meta"), n=n, rows=math.prod(lead), mean=mean)
+        return total if tuple(out.shape) == lead else lw.view(total, lambda t: t.view(out.shape))
 
     return row
