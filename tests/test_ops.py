@@ -165,6 +165,21 @@ def test_views_are_free():
         check_model(fn, (special(8, 33),))
 
 
+def test_split_chunk_and_unbind_give_views():
+    x = special(4, 10, 6)
+    for fn, kernels in (
+        (lambda t: t.split(3, dim=1)[2] * 2, 1),
+        (lambda t: sum(t.chunk(3, -1)), 1),  # three views of one buffer, added in one loop
+        (lambda t: t.unbind(0)[1].relu(), 1),
+        (lambda t: [a * b for a, b in zip(t.unbind(1), reversed(t.unbind(1)))][3], 1),
+        (lambda t: torch.split(t * 2, [2, 8], 1), 1),  # views of braze's own result, returned
+        (lambda t: t.tensor_split(3)[0], 0),  # a view of the input, returned
+    ):
+        check_model(fn, (x,), kernels=kernels, externs=0)
+    timm_qkv = lambda t: t.reshape(2, 10, 3, 2, 2).permute(2, 0, 3, 1, 4).unbind(0)  # noqa: E731
+    check_model(lambda t: timm_qkv(t)[0] * timm_qkv(t)[2], (x,), kernels=1, externs=0)
+
+
 def test_loops_reading_a_buffer_through_two_views():
     x = special(33, 33)
     check_model(lambda a: (lambda t: (t + t.t()).sum(0))(a * 2), (x,))  # t + t.t() is scratch

@@ -51,7 +51,7 @@ from .elementwise import (
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
 from .pool import _adaptive_avg_pool2d, _max_pool2d
 from .rows import _layer_norm, _softmax, _sum
-from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op
+from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op, _views
 
 __all__ = [
     "LOWERINGS",
@@ -165,6 +165,9 @@ def _rows() -> None:
         "unflatten",
     )(_view_op)
     register(nn.Flatten, nn.Unflatten)(_view_op)
+    register(torch.split, torch.chunk, torch.unbind, torch.tensor_split, "split", "chunk", "unbind", "tensor_split")(
+        _views
+    )
     register(operator.getitem, "__getitem__")(_getitem)
     register(F.layer_norm, torch.layer_norm, nn.LayerNorm)(_layer_norm)
     register(torch.softmax, F.softmax, "softmax", nn.Softmax)(_softmax(log=False))

@@ -76,12 +76,25 @@ def _view_op(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return lw.view(src, lambda t: fn(t, *rest[0], **rest[1]))
 
 
+def _views(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> tuple[Sym, ...]:
+    """split, chunk, unbind (and their kin): a tuple of views of the input, each a VIEW."""
+    src = args[0]
+    if not isinstance(src, Sym) or not isinstance(out, (tuple, list)):
+        raise NotNative("not views of a tensor")
+    if any(isinstance(v, Sym) for v in leaves((args[1:], kwargs))):
+        raise NotNative("a tensor's value decides the views")
+    rest = lw.examples((args[1:], kwargs))
+    return tuple(lw.view(src, lambda t, i=i: fn(t, *rest[0], **rest[1])[i]) for i in range(len(out)))
+
+
 # Views whose other tensor argument only lends its shape.
 _LAYOUT_OF = frozenset({"expand_as", "view_as", "reshape_as"})
 
 
 def _getitem(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     src, idx = args
+    if isinstance(src, (tuple, list)) and isinstance(idx, (int, slice)):
+        return src[idx]  # one of split's views (an ATen call's tuple is a value of its own)
     items = idx if type(idx) is tuple else (idx,)  # a list index is advanced indexing: a copy
     basic = all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
     if isinstance(src, Sym) and src.is_tensor and basic and not any(isinstance(v, Sym) for v in leaves(items)):
