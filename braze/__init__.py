@@ -16,10 +16,21 @@ from . import config
 if config.gc_freeze:  # before braze's own imports: a full collection of torch's objects costs ~100 ms
     gc.freeze()
 
+from .accuracy import Accuracy, check_accuracy  # noqa: E402
 from .api import BrazeWarning, CompiledFunction, CompiledModule, compile  # noqa: E402
 from .debug import Report  # noqa: E402
 
-__all__ = ["compile", "explain", "config", "CompiledFunction", "CompiledModule", "BrazeWarning", "Report"]
+__all__ = [
+    "compile",
+    "explain",
+    "check_accuracy",
+    "Accuracy",
+    "config",
+    "CompiledFunction",
+    "CompiledModule",
+    "BrazeWarning",
+    "Report",
+]
 __version__ = "0.1.0"
 
 

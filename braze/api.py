@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import gc
 import inspect
@@ -36,6 +37,9 @@ from .passes import run_passes
 from .runtime import Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
+# "exact": eager's bits (torch.equal); "fast": faster kernels where they win, within the accuracy
+# contract of accuracy.py (see fast.py)
+MODES = ("exact", "fast")
 _UNREAD = object()
 # A storm: this many compilations within this many calls of a wrapper's slow path (the fast path,
 # native, is not counted: every compilation starts on the slow path).
@@ -317,8 +321,8 @@ class CompiledFunction:
     def __init__(
         self, fn: Callable[..., Any], mode: str = "exact", cache_size: int | None = None, dynamic: bool | None = None
     ) -> None:
-        if mode != "exact":
-            raise ValueError(f"braze: unknown mode {mode!r} (only 'exact' is available)")
+        if mode not in MODES:
+            raise ValueError(f"braze: unknown mode {mode!r} (one of {', '.join(MODES)})")
         self.fn = fn
         self.mode = mode
         self.dynamic = dynamic  # see braze.compile
@@ -653,7 +657,7 @@ class CompiledFunction:
 
     def use_capture(self, captured: capture.Captured) -> None:
         """Compile from `captured`, a graph of the model with its modules' flags as they are now."""
-        self._captured = captured
+        self._captured = dataclasses.replace(captured, mode=self.mode)
         self._captured_state = self._trace_state()
 
     def _trace_state(self) -> tuple:
@@ -721,7 +725,7 @@ def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] 
 
         @exact
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            sub = braze_backend(gm, example_inputs)
+            sub = braze_backend(gm, example_inputs, options={"mode": wrapper.mode})
             sub.dynamic = wrapper.dynamic
             wrapper._subgraphs.append(sub)
             return sub
@@ -785,6 +789,8 @@ def compile(
     """Wrap `fn` (an nn.Module or a function of tensors); nothing is compiled until its first call.
 
     Works as `braze.compile(model)`, `@braze.compile` and `@braze.compile(mode=...)`.
+    `mode`: "exact" (default) gives eager's bits, torch.equal; "fast" uses faster kernels where
+    they win (fast.py), within the accuracy contract `braze.check_accuracy` reports.
     `dynamic`, as torch.compile's: None (default) compiles for the first call's sizes, then, when
     a call differs from the last compiled only in sizes, one program for every size of the
     dimensions that changed; True makes every dimension generic from the first call; False

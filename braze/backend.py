@@ -123,9 +123,16 @@ def exact(backend: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @exact
-def braze_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """A TorchDynamo backend: returns a braze wrapper of `gm` (compiled on its first call)."""
-    wrapper = CompiledFunction(gm)
+def braze_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
+    """A TorchDynamo backend: returns a braze wrapper of `gm` (compiled on its first call).
+    `options` (torch.compile's): {"mode": "fast"} for fast mode (see braze.compile)."""
+    options = dict(options or {})
+    mode = options.pop("mode", "exact")
+    if options:
+        raise ValueError(f"braze: unknown options {sorted(options)} (only 'mode')")
+    wrapper = CompiledFunction(gm, mode=mode)
     wrapper.use_capture(from_graph_module(gm))
     wrapper.symbolic = symbolic_places(gm)
     return wrapper

@@ -6,6 +6,8 @@ Per model x backend it measures
   steady_us          per-call time, fastest of interleaved rounds (each a loop of >= 0.2 s)
   speedup_vs_eager   median over the same rounds of eager's time / this backend's
   equal, max_abs_diff  against eager's output on the same inputs
+  error_ratio        the output's largest error against a float64 copy of the model, as a
+                     multiple of eager's (braze.check_accuracy's max ratio; fast mode: at most 4)
   peak_rss_mb        of the fresh subprocess
 and writes DIR/results.json, DIR/results.png and a table on the terminal.
 
@@ -16,6 +18,7 @@ calls `register_backend`; the harness's own test uses this to add a deliberately
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import importlib
 import json
@@ -33,6 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import timing
+from .accuracy import measure
 
 # --- models -------------------------------------------------------------------------------------
 
@@ -128,6 +132,12 @@ def _braze(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
     return braze.compile(model)
 
 
+def _braze_fast(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    import braze
+
+    return braze.compile(model, mode="fast")
+
+
 def _inductor(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
     return torch.compile(model)
 
@@ -162,6 +172,7 @@ BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool, str | None]] 
     # name: (prepare, has a compile cache, module it needs)
     "eager": (_eager, False, None),
     "braze": (_braze, False, None),
+    "braze-fast": (_braze_fast, False, None),
     "inductor": (_inductor, True, None),
     "torchscript": (_torchscript, False, None),
     "onnxruntime": (_onnxruntime, False, "onnxruntime"),
@@ -266,6 +277,7 @@ class Progress:
 
 def _empty_row(model: str, backend: str) -> dict[str, Any]:
     keys = ("first_call_s", "first_call_warm_s", "steady_us", "speedup_vs_eager", "equal", "max_abs_diff")
+    keys += ("error_ratio",)
     return {"model": model, "backend": backend, **dict.fromkeys(keys), "peak_rss_mb": None, "error": None}
 
 
@@ -291,6 +303,8 @@ def _steady(name: str, backends: list[str], rows: dict, rounds: int, seconds: fl
     fns: dict[str, Callable[..., Any]] = {}
     with torch.no_grad():
         reference = first_tensor(model(*inputs))
+        doubles = (t.double() if t.is_floating_point() else t for t in inputs)
+        exact = first_tensor(copy.deepcopy(model).double()(*doubles))  # the float64 reference
         for b in backends:
             if rows[b]["error"] and b != "eager":
                 continue
@@ -304,6 +318,7 @@ def _steady(name: str, backends: list[str], rows: dict, rounds: int, seconds: fl
             rows[b]["equal"] = bool(out.shape == reference.shape and torch.equal(out, reference))
             same = out.shape == reference.shape
             rows[b]["max_abs_diff"] = float((out.double() - reference.double()).abs().max()) if same else None
+            rows[b]["error_ratio"] = measure(out, reference, exact).max_ratio if same else None
             fns[b] = fn
         progress.step(f"{name}: interleaved timing of {len(fns)} backends")
         if "eager" not in fns:
@@ -334,11 +349,13 @@ def table(results: list[dict[str, Any]], backends: list[str]) -> str:
                 cells.append("failed" if r else "-")
                 continue
             ok = "=" if r["equal"] else f"~{r['max_abs_diff']:.0e}" if r["max_abs_diff"] is not None else "?"
+            ok += f" ({r['error_ratio']:.1f}x)" if not r["equal"] and r.get("error_ratio") is not None else ""
             cells.append(f"{_fmt_s(r['first_call_s'])} / {r['steady_us']:.1f}us / {r['speedup_vs_eager']:.2f}x {ok}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(
-        "cell: first call / steady-state per call / speed-up vs eager; '=' torch.equal to eager, '~d' max |diff|"
+        "cell: first call / steady-state per call / speed-up vs eager; '=' torch.equal to eager, '~d' max |diff|,"
+        " (rx) its largest error against float64 as a multiple of eager's"
     )
     errors = [f"- {r['model']} x {r['backend']}: {r['error']}" for r in results if r["error"]]
     return "\n".join(lines + (["", "errors:"] + errors if errors else []))

@@ -28,6 +28,7 @@ class Captured:
     graph: torch.fx.Graph
     root: torch.nn.Module  # what get_attr and call_module targets resolve against
     traced: tuple[torch.nn.Module, ...] = ()  # modules whose forward the graph inlines
+    mode: str = "exact"  # the wrapper's: "fast" lets lowering pick faster kernels (fast.py)
 
 
 # Modules whose forward is only a loop over their children: never a branch on `training`.

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 FIELDS = {"model", "backend", "first_call_s", "first_call_warm_s", "steady_us", "speedup_vs_eager", "equal",
-          "max_abs_diff", "peak_rss_mb", "error"}  # fmt: skip
+          "max_abs_diff", "error_ratio", "peak_rss_mb", "error"}  # fmt: skip
 
 
 def test_bench_smoke(tmp_path):
@@ -25,7 +25,7 @@ def test_bench_smoke(tmp_path):
     for r in rows.values():
         assert set(r) == FIELDS and r["error"] is None, r
         assert r["first_call_s"] > 0 and r["steady_us"] > 0 and r["peak_rss_mb"] > 0
-        assert r["equal"] is True and r["max_abs_diff"] == 0
+        assert r["equal"] is True and r["max_abs_diff"] == 0 and r["error_ratio"] <= 1.0
     assert rows["slowed"]["steady_us"] > rows["eager"]["steady_us"] + 200
     assert rows["slowed"]["speedup_vs_eager"] < 0.5
     assert rows["eager"]["speedup_vs_eager"] == 1.0

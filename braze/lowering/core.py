@@ -77,6 +77,7 @@ def register(*keys: Any) -> Callable[[Callable[..., Sym]], Callable[..., Sym]]:
 class Lowerer:
     def __init__(self, captured: Captured) -> None:
         self.captured = captured
+        self.fast = captured.mode == "fast"  # rows may pick faster kernels than eager's (fast.py)
         self.nodes: list[Node] = []
         self.inputs: list[str] = []
         self.param_syms: dict[int, Sym] = {}
@@ -274,6 +275,10 @@ class Lowerer:
             else:
                 self._layout_read(leaves((args, kwargs)))
                 return result
+        return self.extern(fn, args, kwargs, label, why, out)
+
+    def extern(self, fn: Any, args: tuple, kwargs: dict, label: str, why: str, out: Any) -> Sym:
+        """A call of fn(*args, **kwargs) made at run time, as an EXTERN node; `why` for explain."""
         self.externs.append((label, why))
         inputs = tuple(dict.fromkeys(s.name for s in leaves((args, kwargs)) if isinstance(s, Sym)))
         return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)

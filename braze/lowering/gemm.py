@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import config, dims, jit
+from .. import config, dims, fast, jit
 from ..ir import Op, TensorMeta, broadcast_shape, contiguous_strides
 from .core import META_RULES, Lowerer, NotNative, Sym, no_out, to_meta
 
@@ -233,6 +233,8 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         b = None if fn.bias is None else lw.param(fn.bias, "bias")
     if not isinstance(x, Sym) or not isinstance(w, Sym) or not x.is_tensor:
         raise NotNative("linear on non-tensors")
+    if lw.fast and _packs(lw, x, w, b, transposed=False):
+        return _packed(lw, x, w, b, transposed=False)
     wt = lw.view(w, torch.t)
     if b is not None and x.meta.dim() == 2:
         return _gemm(lw, x, wt, b, 1.0)
@@ -243,11 +245,39 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return res if b is None else lw.elementwise(Op.ADD, (res, b), out)
 
 
+def _packs(lw: Lowerer, x: Sym, w: Sym, b: Any, transposed: bool) -> bool:
+    """Fast mode: whether this linear (addmm if `transposed`) runs oneDNN's GEMM on a packed
+    weight: float32 rows, a model weight (a parameter, or an input of a TorchDynamo graph), a
+    vector bias or none, full matmul precision, and oneDNN timed faster at the shape."""
+    float32 = lambda t: isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32  # noqa: E731
+    if not (float32(x) and float32(w) and (b is None or float32(b))):
+        return False
+    if lw.ops.get(w.name) not in (Op.PARAM, Op.INPUT) or jit.matmul_precision() not in jit.FULL_PRECISION:
+        return False
+    if x.meta.dim() < 2 or w.meta.dim() != 2 or (b is not None and b.meta.dim() != 1):
+        return False
+    n, k = reversed(w.meta.shape) if transposed else w.meta.shape
+    return x.meta.shape[-1] == k and fast.packed_linear_wins(x.meta.numel() // max(k, 1), k, n, b is not None)
+
+
+def _packed(lw: Lowerer, x: Sym, w: Sym, b: Sym | None, transposed: bool) -> Sym:
+    """An ATen call of oneDNN's GEMM on w packed once (fast.PackedLinear)."""
+    packed = fast.PackedLinear(x.meta.numel() // max(x.meta.shape[-1], 1), transposed)
+    real = packed(*lw.examples((x, w, b)))
+    why = "fast mode: oneDNN's GEMM on a packed weight, timed faster than MKL's at this shape"
+    sym = lw.extern(packed, (x, w, b), {}, "linear (oneDNN, packed weight)", why, to_meta(real))
+    lw.real[sym.name] = real
+    return sym
+
+
 def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     no_out(kwargs)
     if kwargs.get("alpha", 1) != 1 or kwargs.get("beta", 1) not in (0, 1):
         raise NotNative("alpha != 1 or beta not in {0, 1}")
-    return _gemm(lw, args[1], args[2], args[0], float(kwargs.get("beta", 1)))
+    bias, x, w = args[:3]
+    if lw.fast and kwargs.get("beta", 1) == 1 and _packs(lw, x, w, bias, transposed=True):
+        return _packed(lw, x, w, bias, transposed=True)
+    return _gemm(lw, x, w, bias, float(kwargs.get("beta", 1)))
 
 
 def _mm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:

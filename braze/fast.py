@@ -1,0 +1,73 @@
+"""Fast mode (`braze.compile(model, mode="fast")`): library kernels faster than the ones eager
+calls, within an accuracy contract (accuracy.py) instead of eager's bits.
+
+    linear   oneDNN's GEMM on a weight packed for it (mkldnn::_linear_pointwise), where it beats
+             MKL's sgemm at the layer's shape: both are timed once, when compiling (MKL takes a
+             generic path on this AMD CPU; oneDNN ran 1.3-1.7x faster at 256 x 128..4096 here)
+
+A packed weight is made again whenever the weight passed in is another tensor, moved, or changed
+in place (`_version`): never a stale answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any
+
+import torch
+
+MIN_SPEEDUP = 1.05  # what the packed GEMM must win by to be chosen (timing noise)
+# What an ATen call inside a program costs beyond a native GEMM's sgemm_ call: its line of the
+# Python body, ATen's dispatch, oneDNN's primitive lookup, and the fusion it prevents (measured:
+# on bert-tiny's 256 x 128 x 128..512 GEMMs, each timed 1.4x faster alone, the model ran 12% slower).
+CALL_COST_S = 25e-6
+
+
+class PackedLinear:
+    """`linear(x, w, b)` (`addmm(b, x, w)` if transposed) through oneDNN on w packed once (and
+    again when w changes)."""
+
+    __name__ = "packed_linear"  # a label for explain and the program's Python body
+
+    def __init__(self, rows: int, transposed: bool = False) -> None:
+        self.rows = rows  # the batch oneDNN packs for (any other works, maybe slower)
+        self.transposed = transposed  # w given as [in, out] (addmm's, GPT-2's Conv1D), not linear's
+        self._state: tuple[Any, ...] = (None, None, None)  # (weight, its version and address, packed)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        state = self._state  # one read: another thread may repack meanwhile
+        stamp = (w._version, w.data_ptr())
+        if state[0] is not w or state[1] != stamp:
+            weight = w.detach().t() if self.transposed else w.detach()
+            state = (w, stamp, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows))
+            self._state = state
+        return torch.ops.mkldnn._linear_pointwise(x, state[2], b, "none", [], "")
+
+
+def packed_linear_wins(rows: int, k: int, n: int, bias: bool) -> bool:
+    """Whether oneDNN's packed GEMM beats ATen's linear (MKL) at rows x k -> n; timed once per
+    shape and thread count (interleaved, median of 5)."""
+    return _wins(rows, k, n, bias, torch.get_num_threads())
+
+
+@functools.cache
+def _wins(m: int, k: int, n: int, bias: bool, threads: int) -> bool:  # threads: in the cache key
+    if m * k * n == 0:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = PackedLinear(m)
+    mkl, onednn = [], []
+    with torch.no_grad():
+        packed(x, w, b)  # packs
+        for _ in range(6):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w, b)
+            t1 = time.perf_counter()
+            packed(x, w, b)
+            mkl.append(t1 - t0)
+            onednn.append(time.perf_counter() - t1)
+    return statistics.median(mkl[1:]) >= MIN_SPEEDUP * (statistics.median(onednn[1:]) + CALL_COST_S)

@@ -1,0 +1,116 @@
+"""Fast mode: faster kernels where they win, within the accuracy contract (braze.check_accuracy)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import braze
+from braze import fast
+from braze.accuracy import measure
+
+nn = torch.nn
+
+
+@pytest.fixture
+def packing(monkeypatch):
+    """Decide whether oneDNN's packed GEMM is chosen, instead of timing it (which is noisy)."""
+
+    def choose(wins: bool) -> None:
+        monkeypatch.setattr(fast, "_wins", lambda *shape: wins)
+
+    return choose
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
+
+
+def _within(compiled, model: nn.Module, x: torch.Tensor) -> bool:
+    return measure(compiled(x), model(x), copy.deepcopy(model).double()(x.double())).ok
+
+
+def _linears(compiled) -> int:
+    return sum("oneDNN" in label for p in compiled.programs() for label, _ in p.externs)
+
+
+def test_unknown_modes_are_refused():
+    with pytest.raises(ValueError, match="unknown mode"):
+        braze.compile(_mlp(), mode="fastest")
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("shape", [(1, 64), (17, 64), (3, 5, 64)], ids=str)
+def test_packed_linears_keep_the_contract(packing, scale, shape):
+    packing(True)
+    model = _mlp()
+    x = torch.randn(*shape) * scale
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    assert _linears(compiled) == 3
+    report = braze.check_accuracy(model, x)
+    assert report.ok, str(report)
+
+
+def test_where_packing_loses_fast_mode_runs_exact_native_code(packing):
+    packing(False)
+    model = _mlp()
+    x = torch.randn(9, 64)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    assert _linears(compiled) == 0
+
+
+@torch.no_grad()
+def test_a_changed_or_replaced_weight_is_packed_again(packing):
+    packing(True)
+    model = _mlp()
+    x = torch.randn(9, 64)
+    compiled = braze.compile(model, mode="fast")
+    compiled(x)
+    model[0].weight.mul_(-2.0)  # in place
+    assert _within(compiled, model, x)
+    model[2].weight = nn.Parameter(torch.randn(33, 256))  # replaced, same layout
+    assert _within(compiled, model, x)
+    assert len(compiled.compilations) == 1
+
+
+def test_gpt2_style_addmm_and_torchdynamo_graphs_pack_their_weights(packing):
+    packing(True)
+    torch.manual_seed(0)
+    weight, bias = nn.Parameter(torch.randn(64, 96)), nn.Parameter(torch.randn(96))
+
+    def conv1d(x):  # Hugging Face's Conv1D: addmm(bias, x, weight), weight as [in, out]
+        return torch.addmm(bias, x.view(-1, 64), weight).view(*x.shape[:-1], 96)
+
+    x = torch.randn(2, 5, 64)
+    compiled = braze.compile(conv1d, mode="fast")
+    with torch.no_grad():
+        assert (compiled(x) - conv1d(x)).abs().max() < 1e-4
+    assert _linears(compiled) == 1
+
+    model = _mlp()
+    dynamo = torch.compile(model, backend="braze", options={"mode": "fast"})
+    with torch.no_grad():
+        assert (dynamo(x.view(10, 64)) - model(x.view(10, 64))).abs().max() < 1e-4
+    with pytest.raises(Exception, match="unknown options"):
+        with torch.no_grad():
+            torch.compile(_mlp(), backend="braze", options={"speed": 1})(x.view(10, 64))
+
+
+def test_the_contract_sees_errors_and_special_values():
+    ref = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    eager = (ref + 1e-7).float()
+    assert measure(eager, eager, ref).ok
+    assert not measure(eager + 1e-5, eager, ref).ok  # far beyond eager's own error
+    nan = eager.clone()
+    nan[3] = float("nan")
+    assert not measure(nan, eager, ref).ok and not measure(eager, nan, ref).ok
+    inf = eager.clone()
+    inf[5] = float("inf")
+    assert measure(inf, inf, ref).ok and not measure(-inf, inf, ref).ok
