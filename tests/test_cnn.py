@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,20 @@ def test_batch_norm_reads_its_buffers_and_mode_at_each_call():
     want = F.batch_norm(x, mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, True, 0.1, bn.eps)
     assert torch.equal(compiled(x), want)
     assert not torch.equal(bn.running_mean, mean)
+
+
+@torch.no_grad()
+def test_a_training_batch_norm_updates_its_statistics_once_a_call():
+    # Lowering runs each ATen call on example tensors once: the module's running statistics,
+    # which ATen's kernel updates in place, are put back after it (they were updated twice).
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    twin = copy.deepcopy(model)
+    compiled = braze.compile(model)
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(3):
+        assert torch.equal(compiled(x), twin(x))
+    for name, buffer in model[1].named_buffers():
+        assert torch.equal(buffer, twin[1].get_buffer(name)), name
 
 
 def test_batch_norm_braze_cannot_match_stays_atens_call():

@@ -6,7 +6,8 @@ node that calls the same torch function at run time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,7 +262,8 @@ class Lowerer:
         syms = [s for s in leaves((args, kwargs)) if isinstance(s, Sym)]
         real = {s.name: self.example(s) for s in syms}
         versions = {n: t._version for n, t in real.items() if isinstance(t, torch.Tensor)}
-        out_real = fn(*self.examples(args), **self.examples(kwargs))
+        with _model_state_kept(fn):
+            out_real = fn(*self.examples(args), **self.examples(kwargs))
         mutated = [s for s in syms if s.name in versions and real[s.name]._version != versions[s.name]]
         return out_real, mutated, _aliased(out_real, real)
 
@@ -306,6 +308,25 @@ class Lowerer:
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
         reads = frozenset(self.layout_read)
         return Lowered(graph, spec, out_leaves, self.externs, n_args, tuple(self.reads_training), reads)
+
+
+@contextlib.contextmanager
+def _model_state_kept(fn: Any) -> Iterator[None]:
+    """A module run on example tensors must leave the model as it was: a BatchNorm in training
+    updates its running statistics (the first call then updated them twice). Its buffers are put
+    back; a parameter changed in place cannot be, and the model is not compiled."""
+    if not isinstance(fn, torch.nn.Module):
+        yield
+        return
+    buffers = [(b, b.clone()) for b in fn.buffers()]
+    params = [(p, p._version) for p in fn.parameters()]
+    yield
+    with torch.no_grad():
+        for b, saved in buffers:  # compared by value: ATen's kernel updates running statistics
+            if not torch.equal(b, saved):  # without counting a version
+                b.copy_(saved)
+    if any(p._version != v for p, v in params):
+        raise Unsupported(f"{type(fn).__name__} changes its parameters in forward")
 
 
 def lower(captured: Captured, example_args: tuple[Any, ...]) -> Lowered:
