@@ -4,9 +4,12 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
     linear   oneDNN's GEMM on a weight packed for it (mkldnn::_linear_pointwise), where it beats
              MKL's sgemm at the layer's shape: both are timed once, when compiling (MKL takes a
              generic path on this AMD CPU; oneDNN ran 1.3-1.7x faster at 256 x 128..4096 here)
+    conv2d   oneDNN's convolution on a packed weight (mkldnn::_convolution_pointwise), channels-
+             last activations, an eval BatchNorm after it folded into its weight and bias (in
+             float64), a ReLU after it as oneDNN's post-op (cnn-small: 2.2x eager, prototype)
 
-A packed weight is made again whenever the weight passed in is another tensor, moved, or changed
-in place (`_version`): never a stale answer.
+A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
+changed in place (`_version`): never a stale answer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,15 @@ MIN_SPEEDUP = 1.05  # what the packed GEMM must win by to be chosen (timing nois
 CALL_COST_S = 25e-6
 
 
+def _stamp(tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What identifies the tensors' values: the objects, their versions and addresses."""
+    return tuple((t, t._version, t.data_ptr()) if isinstance(t, torch.Tensor) else (t,) for t in tensors)
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b))
+
+
 class PackedLinear:
     """`linear(x, w, b)` (`addmm(b, x, w)` if transposed) through oneDNN on w packed once (and
     again when w changes)."""
@@ -34,16 +46,51 @@ class PackedLinear:
     def __init__(self, rows: int, transposed: bool = False) -> None:
         self.rows = rows  # the batch oneDNN packs for (any other works, maybe slower)
         self.transposed = transposed  # w given as [in, out] (addmm's, GPT-2's Conv1D), not linear's
-        self._state: tuple[Any, ...] = (None, None, None)  # (weight, its version and address, packed)
+        self._state: tuple[Any, ...] = ((), None)  # (the weight's stamp, packed)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         state = self._state  # one read: another thread may repack meanwhile
-        stamp = (w._version, w.data_ptr())
-        if state[0] is not w or state[1] != stamp:
+        if not _same(state[0], _stamp((w,))):
             weight = w.detach().t() if self.transposed else w.detach()
-            state = (w, stamp, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows))
+            state = (_stamp((w,)), torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows))
             self._state = state
-        return torch.ops.mkldnn._linear_pointwise(x, state[2], b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, state[1], b, "none", [], "")
+
+
+class PackedConv:
+    """`conv2d(x, w, b)`, then eval batch_norm(mean, var, gamma, beta) if given (folded into w and
+    b in float64) and ReLU if `relu`, through oneDNN on the folded weight packed once (and again
+    when any tensor it came from changes). Its result is channels-last."""
+
+    __name__ = "packed_conv2d"
+
+    def __init__(self, padding: list[int], stride: list[int], dilation: list[int], groups: int, size: list[int]):
+        self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
+        self.size = size  # the input size oneDNN packs for (others work, maybe slower)
+        self.eps: float | None = None  # batch_norm's, once one is folded in
+        self.relu = False
+        self._state: tuple[Any, ...] = ((), None, None)  # (stamps, packed weight, bias)
+
+    def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
+        state = self._state  # one read: another thread may repack meanwhile
+        if not _same(state[0], _stamp(params)):
+            state = (_stamp(params), *self._pack(*params))
+            self._state = state
+        attr = "relu" if self.relu else "none"
+        args = (self.padding, self.stride, self.dilation, self.groups, attr, [], "")
+        return torch.ops.mkldnn._convolution_pointwise(x, state[1], state[2], *args)
+
+    def _pack(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        w = w.detach()
+        if bn:
+            mean, var, gamma, beta = (t.detach().double() for t in bn)
+            scale = gamma / torch.sqrt(var + self.eps)
+            shift = beta - mean * scale + (0.0 if b is None else b.detach().double() * scale)
+            w, b = (w.double() * scale.view(-1, *[1] * (w.dim() - 1))).float(), shift.float()
+        else:
+            b = None if b is None else b.detach()
+        args = (self.padding, self.stride, self.dilation, self.groups, self.size)
+        return torch.ops.mkldnn._reorder_convolution_weight(w.contiguous(), *args), b
 
 
 def packed_linear_wins(rows: int, k: int, n: int, bias: bool) -> bool:

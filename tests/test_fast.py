@@ -114,3 +114,67 @@ def test_the_contract_sees_errors_and_special_values():
     inf = eager.clone()
     inf[5] = float("inf")
     assert measure(inf, inf, ref).ok and not measure(-inf, inf, ref).ok
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+
+    def block(cin: int, cout: int, **kw) -> list[nn.Module]:
+        bn = nn.BatchNorm2d(cout)
+        with torch.no_grad():
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.normal_()
+        return [nn.Conv2d(cin, cout, 3, padding=1, **kw), bn, nn.ReLU(inplace=True)]
+
+    layers = block(3, 16) + [nn.MaxPool2d(2)] + block(16, 16, groups=4, bias=False) + block(16, 32)
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+
+
+def _folded(compiled) -> list[str]:
+    return [why for p in compiled.programs() for label, why in p.externs if label.startswith("conv2d")]
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("shape", [(1, 3, 16, 16), (5, 3, 33, 17)], ids=str)
+def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape):
+    model = _cnn()
+    x = torch.randn(*shape) * scale
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    folded = _folded(compiled)
+    assert len(folded) == 3 and all("batch_norm folded" in w and "ReLU" in w for w in folded), folded
+    report = braze.check_accuracy(model, x)
+    assert report.ok, str(report)
+
+
+@torch.no_grad()
+def test_changed_statistics_and_weights_are_folded_again():
+    model = _cnn()
+    x = torch.randn(2, 3, 16, 16)
+    compiled = braze.compile(model, mode="fast")
+    compiled(x)
+    model[1].running_var.mul_(4.0)
+    model[1].weight.neg_()
+    assert _within(compiled, model, x)
+    model[4].weight = nn.Parameter(torch.randn(16, 4, 3, 3))
+    assert _within(compiled, model, x)
+    model.train()  # batch statistics: no folding, and the running ones updated as eager does
+    train = copy.deepcopy(model)
+    assert (compiled(x) - train(x)).abs().max() < 1e-4
+    assert torch.allclose(model[1].running_mean, train[1].running_mean, atol=1e-5)  # updated once
+    model.eval()
+    assert _within(compiled, model, x)
+
+
+def test_exact_mode_leaves_convolutions_to_aten_and_torchdynamo_graphs_fold():
+    model = _cnn()
+    x = torch.randn(2, 3, 16, 16)
+    exact = braze.compile(model)
+    with torch.no_grad():
+        assert torch.equal(exact(x), model(x))
+    assert all("exact mode" in why for p in exact.programs() for label, why in p.externs if "Conv" in label)
+    dynamo = torch.compile(model, backend="braze", options={"mode": "fast"})
+    with torch.no_grad():
+        assert measure(dynamo(x), model(x), copy.deepcopy(model).double()(x.double())).ok

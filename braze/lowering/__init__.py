@@ -13,6 +13,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
     rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels
     pool.py         max_pool2d through braze's pooling kernel; adaptive_avg_pool2d to 1 x 1 (a mean)
+    conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from .. import jit
 from ..ir import Op
+from .conv import _conv2d
 from .core import LOWERINGS, Lowered, Lowerer, NotNative, Sym, Unsupported, lower, register, to_meta
 from .elementwise import (
     _batch_norm,
@@ -39,6 +41,7 @@ from .elementwise import (
     _pow,
     _pow_by,
     _prelu,
+    _relu,
     _relu6,
     _rsqrt,
     _rsub,
@@ -122,7 +125,7 @@ def _rows() -> None:
     register(torch.stack)(_stack)
     register(torch.clamp_min, "clamp_min", "clamp_min_")(_clamp_one(lo=True))
     register(torch.clamp_max, "clamp_max", "clamp_max_")(_clamp_one(lo=False))
-    register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_unary(Op.RELU))
+    register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_relu)
     register(F.leaky_relu, F.leaky_relu_, nn.LeakyReLU)(_leaky_relu_any)
     register(torch.clamp, torch.clip, "clamp", "clip", "clamp_", "clip_")(_clamp)
     register(F.hardtanh, F.hardtanh_, nn.Hardtanh)(_hardtanh_any)
@@ -177,6 +180,7 @@ def _rows() -> None:
     register(F.batch_norm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)(_batch_norm)
     register(F.max_pool2d, torch.max_pool2d, nn.MaxPool2d)(_max_pool2d)
     register(F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d)(_adaptive_avg_pool2d)
+    register(F.conv2d, torch.conv2d, nn.Conv2d)(_conv2d)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

@@ -79,6 +79,7 @@ class Lowerer:
     def __init__(self, captured: Captured) -> None:
         self.captured = captured
         self.fast = captured.mode == "fast"  # rows may pick faster kernels than eager's (fast.py)
+        self.users: dict[str, int] = {}  # how many FX nodes use each value (fast mode's fusions)
         self.nodes: list[Node] = []
         self.inputs: list[str] = []
         self.param_syms: dict[int, Sym] = {}
@@ -90,6 +91,7 @@ class Lowerer:
         self.layout_read: set[str] = set()
         self.ops: dict[str, Op] = {}
         self.externs: list[tuple[str, str]] = []
+        self.extern_of: dict[str, int] = {}  # an EXTERN node's entry in externs
         self.reads_training: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.real: dict[str, Any] = {}  # example value of each Sym (see example())
@@ -190,6 +192,8 @@ class Lowerer:
                 out_node = node
             else:
                 self.env[node] = self._call(node)
+                if isinstance(self.env[node], Sym):
+                    self.users[self.env[node].name] = len(node.users)
         return self._finish(out_node, len(example_args))
 
     def _placeholder(self, node: torch.fx.Node, index: int, value: Any) -> Any:
@@ -283,7 +287,9 @@ class Lowerer:
         """A call of fn(*args, **kwargs) made at run time, as an EXTERN node; `why` for explain."""
         self.externs.append((label, why))
         inputs = tuple(dict.fromkeys(s.name for s in leaves((args, kwargs)) if isinstance(s, Sym)))
-        return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
+        sym = self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
+        self.extern_of[sym.name] = len(self.externs) - 1
+        return sym
 
     def _layout_read(self, leaves: list[Any]) -> None:
         for v in leaves:

@@ -10,6 +10,7 @@ import torch
 
 from .. import jit, sleef
 from ..ir import Op
+from . import conv
 from .core import Lowerer, NotNative, Sym, no_out, to_meta
 
 
@@ -42,6 +43,15 @@ def _unary(op: Op) -> Callable[..., Sym]:
         return lw.elementwise(op, (args[0],), out)
 
     return row
+
+
+def _relu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """relu: in fast mode, oneDNN's post-op of the packed convolution it follows (if nothing else
+    reads the convolution's result); else clamp_min(x, 0) in a loop."""
+    at = conv.packed_conv(lw, args[0])
+    if at is not None and not kwargs:
+        return conv.fuse_relu(lw, at)
+    return _unary(Op.RELU)(lw, fn, args, kwargs, out)
 
 
 def _pow(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -260,6 +270,9 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
             raise NotNative("batch_norm with batch statistics (training)")
     x, eps = given["input"], given.get("eps", 1e-5)
     channels = [given.get(k) for k in _BATCH_NORM_ARGS[1:5]]
+    at = conv.packed_conv(lw, x)
+    if at is not None and all(isinstance(t, Sym) for t in channels) and isinstance(eps, float):
+        return conv.fold_batch_norm(lw, at, tuple(channels), eps)
     if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() >= 2):
         raise NotNative("batch_norm of a tensor that is not float32 with a channel dimension")
     if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():

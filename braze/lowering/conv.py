@@ -1,0 +1,93 @@
+"""Convolution rows. Exact mode calls ATen's convolution (oneDNN's, whose bits braze cannot
+reproduce); fast mode calls oneDNN's on a packed weight (fast.PackedConv) and folds an eval
+BatchNorm and a ReLU that follow it into that call."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.nn.modules.utils import _pair
+
+from .. import fast
+from ..ir import Op
+from .core import Lowerer, NotNative, Sym, no_out, to_meta
+
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
+def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    no_out(kwargs)
+    if not lw.fast:
+        raise NotNative("exact mode: ATen's convolution (oneDNN's; its bits are not reproduced)")
+    if isinstance(fn, torch.nn.Conv2d):
+        if fn.padding_mode != "zeros":
+            raise NotNative("convolution with padding other than zeros")
+        weight, bias = lw.param(fn.weight, "weight"), None if fn.bias is None else lw.param(fn.bias, "bias")
+        given = {"input": args[0], "weight": weight, "bias": bias}
+        given |= {k: getattr(fn, k) for k in ("stride", "padding", "dilation", "groups")}
+    else:
+        given = dict(zip(_CONV_ARGS, args)) | kwargs
+    x, w, b = given["input"], given["weight"], given.get("bias")
+    padding = given.get("padding", 0)
+    float32 = lambda t: isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32  # noqa: E731
+    if not (float32(x) and float32(w) and (b is None or float32(b))) or x.meta.dim() != 4:
+        raise NotNative("convolution of tensors that are not float32 (N, C, H, W)")
+    if lw.ops.get(w.name) not in (Op.PARAM, Op.INPUT) or isinstance(padding, str):
+        raise NotNative("convolution whose weight is not the model's, or with padding given by name")
+    packed = fast.PackedConv(
+        list(_pair(padding)),
+        list(_pair(given.get("stride", 1))),
+        list(_pair(given.get("dilation", 1))),
+        int(given.get("groups", 1)),
+        list(x.meta.shape),
+    )
+    real = packed(*lw.examples((x, w, b)))
+    why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
+    sym = lw.extern(packed, (x, w, b), {}, "conv2d (oneDNN, packed weight)", why, to_meta(real))
+    lw.real[sym.name] = real
+    return sym
+
+
+def packed_conv(lw: Lowerer, x: Any) -> int | None:
+    """Fast mode: the index in lw.nodes of the packed convolution that computes x, and nothing
+    else reads, if there is one (a BatchNorm or ReLU on x can then become part of it)."""
+    if not (lw.fast and isinstance(x, Sym) and lw.users.get(x.name) == 1):
+        return None
+    for i in range(len(lw.nodes) - 1, -1, -1):
+        node = lw.nodes[i]
+        if node.name == x.name:
+            fn = node.attrs.get("fn") if node.op is Op.EXTERN else None
+            return i if isinstance(fn, fast.PackedConv) and not fn.relu else None
+    return None
+
+
+def fold_batch_norm(lw: Lowerer, at: int, bn: tuple[Sym, Sym, Sym, Sym], eps: float) -> Sym:
+    """The packed convolution lw.nodes[at] with an eval batch_norm of its result folded in."""
+    node = lw.nodes[at]
+    fn = node.attrs["fn"]
+    if fn.eps is not None:
+        raise NotNative("a second batch_norm after one convolution")
+    fn.eps = eps
+    args = (*node.attrs["args"], *bn)
+    return _replace(lw, at, args, "+ batch_norm folded into its weight (float64)")
+
+
+def fuse_relu(lw: Lowerer, at: int) -> Sym:
+    """The packed convolution lw.nodes[at] with a ReLU of its result as oneDNN's post-op."""
+    lw.nodes[at].attrs["fn"].relu = True
+    return _replace(lw, at, lw.nodes[at].attrs["args"], "+ ReLU as its post-op")
+
+
+def _replace(lw: Lowerer, at: int, args: tuple, more: str) -> Sym:
+    node = lw.nodes[at]
+    why = f"{node.attrs['why']} {more}"
+    lw.externs[lw.extern_of[node.name]] = (node.attrs["label"], why)
+    inputs = tuple(dict.fromkeys(a.name for a in args if isinstance(a, Sym)))
+    # last: after the nodes of its new operands (nothing read its result yet)
+    del lw.nodes[at]
+    lw.nodes.append(dataclasses.replace(node, inputs=inputs, attrs={**node.attrs, "args": args, "why": why}))
+    real = node.attrs["fn"](*lw.examples(args))
+    lw.real[node.name] = real
+    return Sym(node.name, to_meta(real))
