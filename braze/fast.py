@@ -6,7 +6,9 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              generic path on this AMD CPU; oneDNN ran 1.3-1.7x faster at 256 x 128..4096 here)
     conv2d   oneDNN's convolution on a packed weight (mkldnn::_convolution_pointwise), channels-
              last activations, an eval BatchNorm after it folded into its weight and bias (in
-             float64), a ReLU after it as oneDNN's post-op (cnn-small: 2.2x eager, prototype)
+             float64) (cnn-small: 2.2x eager, prototype)
+
+An activation after either (relu, gelu, silu, sigmoid, tanh) becomes oneDNN's post-op of the call.
 
 A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
 changed in place (`_version`): never a stale answer.
@@ -37,7 +39,22 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b))
 
 
-class PackedLinear:
+class Packed:
+    """A oneDNN call on a weight packed for it, with `post_op` (oneDNN's unary attr and algorithm:
+    relu, gelu none/tanh, swish, sigmoid, tanh) applied to its result in the same call."""
+
+    post_op: tuple[str, str] = ("none", "")
+
+    def generic_key(self) -> tuple[Any, ...]:
+        """What a program's result depends on, not the sizes the weight is packed for: lowerings at
+        other sizes whose calls have equal keys can share one shape-generic program."""
+        return (type(self).__name__, self.post_op, *self._config())
+
+    def _config(self) -> tuple[Any, ...]:
+        return ()
+
+
+class PackedLinear(Packed):
     """`linear(x, w, b)` (`addmm(b, x, w)` if transposed) through oneDNN on w packed once (and
     again when w changes)."""
 
@@ -48,19 +65,23 @@ class PackedLinear:
         self.transposed = transposed  # w given as [in, out] (addmm's, GPT-2's Conv1D), not linear's
         self._state: tuple[Any, ...] = ((), None)  # (the weight's stamp, packed)
 
+    def _config(self) -> tuple[Any, ...]:
+        return (self.transposed,)
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         state = self._state  # one read: another thread may repack meanwhile
         if not _same(state[0], _stamp((w,))):
             weight = w.detach().t() if self.transposed else w.detach()
             state = (_stamp((w,)), torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows))
             self._state = state
-        return torch.ops.mkldnn._linear_pointwise(x, state[1], b, "none", [], "")
+        attr, algorithm = self.post_op
+        return torch.ops.mkldnn._linear_pointwise(x, state[1], b, attr, [], algorithm)
 
 
-class PackedConv:
+class PackedConv(Packed):
     """`conv2d(x, w, b)`, then eval batch_norm(mean, var, gamma, beta) if given (folded into w and
-    b in float64) and ReLU if `relu`, through oneDNN on the folded weight packed once (and again
-    when any tensor it came from changes). Its result is channels-last."""
+    b in float64), through oneDNN on the folded weight packed once (and again when any tensor it
+    came from changes). Its result is channels-last."""
 
     __name__ = "packed_conv2d"
 
@@ -68,16 +89,18 @@ class PackedConv:
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.size = size  # the input size oneDNN packs for (others work, maybe slower)
         self.eps: float | None = None  # batch_norm's, once one is folded in
-        self.relu = False
         self._state: tuple[Any, ...] = ((), None, None)  # (stamps, packed weight, bias)
+
+    def _config(self) -> tuple[Any, ...]:
+        return (self.padding, self.stride, self.dilation, self.groups, self.eps)
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         state = self._state  # one read: another thread may repack meanwhile
         if not _same(state[0], _stamp(params)):
             state = (_stamp(params), *self._pack(*params))
             self._state = state
-        attr = "relu" if self.relu else "none"
-        args = (self.padding, self.stride, self.dilation, self.groups, attr, [], "")
+        attr, algorithm = self.post_op
+        args = (self.padding, self.stride, self.dilation, self.groups, attr, [], algorithm)
         return torch.ops.mkldnn._convolution_pointwise(x, state[1], state[2], *args)
 
     def _pack(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:

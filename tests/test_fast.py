@@ -56,6 +56,45 @@ def test_packed_linears_keep_the_contract(packing, scale, shape):
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize(
+    "act,attr",
+    [(nn.GELU(), "gelu none"), (nn.GELU("tanh"), "gelu tanh"), (nn.SiLU(), "swish"), (nn.Sigmoid(), "sigmoid")],
+    ids=["gelu", "gelu_tanh", "silu", "sigmoid"],
+)
+def test_activations_after_packed_linears_are_their_post_ops(packing, act, attr):
+    packing(True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), act, nn.Linear(96, 8)).eval()
+    x = torch.randn(5, 64)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    whys = [why for p in compiled.programs() for _, why in p.externs]
+    assert len(whys) == 2 and f"+ {attr} as its post-op" in whys[0], whys
+    assert braze.check_accuracy(model, x).ok
+    twice = nn.Sequential(nn.Linear(64, 96), act).eval()  # the linear's result read twice: no post-op
+
+    def both(t):
+        h = twice[0](t)
+        return twice[1](h) + h
+
+    compiled = braze.compile(both, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    assert not any("post-op" in why for p in compiled.programs() for _, why in p.externs)
+
+
+@torch.no_grad()
+def test_a_stream_of_batch_sizes_shares_one_generic_program(packing):
+    packing(True)
+    model = _mlp()
+    compiled = braze.compile(model, mode="fast")
+    for batch in (8, 16, 3, 33, 100, 7):
+        assert _within(compiled, model, torch.randn(batch, 64))
+    assert len(compiled.compilations) == 2, [c.why for c in compiled.compilations]
+    assert _linears(compiled) == 3 * len(compiled.programs())
+
+
 def test_where_packing_loses_fast_mode_runs_exact_native_code(packing):
     packing(False)
     model = _mlp()
@@ -144,7 +183,7 @@ def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape)
     with torch.no_grad():
         compiled(x)
     folded = _folded(compiled)
-    assert len(folded) == 3 and all("batch_norm folded" in w and "ReLU" in w for w in folded), folded
+    assert len(folded) == 3 and all("batch_norm folded" in w and "relu as its post-op" in w for w in folded), folded
     report = braze.check_accuracy(model, x)
     assert report.ok, str(report)
 

@@ -38,10 +38,10 @@ from .elementwise import (
     _hardtanh_any,
     _leaky_relu_any,
     _masked_fill,
+    _post_op,
     _pow,
     _pow_by,
     _prelu,
-    _relu,
     _relu6,
     _rsqrt,
     _rsub,
@@ -114,9 +114,9 @@ def _rows() -> None:
     for name in jit.VML_FUNCTIONS:
         extra = (nn.Tanh,) if name == "tanh" else ()
         register(getattr(torch, name), name, f"{name}_", *extra)(_vml(name))
-    register(torch.sigmoid, F.sigmoid, "sigmoid", "sigmoid_", nn.Sigmoid)(_sleef("sigmoid"))
-    register(F.silu, nn.SiLU)(_sleef("silu"))
-    register(F.gelu, nn.GELU)(_gelu)
+    register(torch.sigmoid, F.sigmoid, "sigmoid", "sigmoid_", nn.Sigmoid)(_post_op("sigmoid", "", _sleef("sigmoid")))
+    register(F.silu, nn.SiLU)(_post_op("swish", "", _sleef("silu")))
+    register(F.gelu, nn.GELU)(_post_op("gelu", "", _gelu))
     register(operator.pow, torch.pow, "pow", "pow_", "__pow__", "__ipow__")(_pow)
     register(torch.square, "square", "square_")(_pow_by(2))
     register(torch.reciprocal, "reciprocal", "reciprocal_")(_pow_by(-1))
@@ -125,7 +125,7 @@ def _rows() -> None:
     register(torch.stack)(_stack)
     register(torch.clamp_min, "clamp_min", "clamp_min_")(_clamp_one(lo=True))
     register(torch.clamp_max, "clamp_max", "clamp_max_")(_clamp_one(lo=False))
-    register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_relu)
+    register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_post_op("relu", "", _unary(Op.RELU)))
     register(F.leaky_relu, F.leaky_relu_, nn.LeakyReLU)(_leaky_relu_any)
     register(torch.clamp, torch.clip, "clamp", "clip", "clamp_", "clip_")(_clamp)
     register(F.hardtanh, F.hardtanh_, nn.Hardtanh)(_hardtanh_any)

@@ -1,6 +1,7 @@
-"""Convolution rows. Exact mode calls ATen's convolution (oneDNN's, whose bits braze cannot
-reproduce); fast mode calls oneDNN's on a packed weight (fast.PackedConv) and folds an eval
-BatchNorm and a ReLU that follow it into that call."""
+"""Convolution rows, and fast mode's fusions into its packed oneDNN calls. Exact mode calls
+ATen's convolution (oneDNN's, whose bits braze cannot reproduce); fast mode calls oneDNN's on a
+packed weight (fast.PackedConv), folds an eval BatchNorm that follows it into that call, and
+makes an activation after a packed convolution or linear the call's post-op."""
 
 from __future__ import annotations
 
@@ -50,16 +51,16 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return sym
 
 
-def packed_conv(lw: Lowerer, x: Any) -> int | None:
-    """Fast mode: the index in lw.nodes of the packed convolution that computes x, and nothing
-    else reads, if there is one (a BatchNorm or ReLU on x can then become part of it)."""
+def packed_call(lw: Lowerer, x: Any, kind: type = fast.Packed) -> int | None:
+    """Fast mode: the index in lw.nodes of the packed oneDNN call (of `kind`, without a post-op)
+    that computes x, if nothing else reads x (what follows can then become part of the call)."""
     if not (lw.fast and isinstance(x, Sym) and lw.users.get(x.name) == 1):
         return None
     for i in range(len(lw.nodes) - 1, -1, -1):
         node = lw.nodes[i]
         if node.name == x.name:
             fn = node.attrs.get("fn") if node.op is Op.EXTERN else None
-            return i if isinstance(fn, fast.PackedConv) and not fn.relu else None
+            return i if isinstance(fn, kind) and fn.post_op == fast.Packed.post_op else None
     return None
 
 
@@ -67,17 +68,17 @@ def fold_batch_norm(lw: Lowerer, at: int, bn: tuple[Sym, Sym, Sym, Sym], eps: fl
     """The packed convolution lw.nodes[at] with an eval batch_norm of its result folded in."""
     node = lw.nodes[at]
     fn = node.attrs["fn"]
-    if fn.eps is not None:
+    if not isinstance(fn, fast.PackedConv) or fn.eps is not None:
         raise NotNative("a second batch_norm after one convolution")
     fn.eps = eps
     args = (*node.attrs["args"], *bn)
     return _replace(lw, at, args, "+ batch_norm folded into its weight (float64)")
 
 
-def fuse_relu(lw: Lowerer, at: int) -> Sym:
-    """The packed convolution lw.nodes[at] with a ReLU of its result as oneDNN's post-op."""
-    lw.nodes[at].attrs["fn"].relu = True
-    return _replace(lw, at, lw.nodes[at].attrs["args"], "+ ReLU as its post-op")
+def fuse_post_op(lw: Lowerer, at: int, attr: str, algorithm: str = "") -> Sym:
+    """The packed call lw.nodes[at] with an activation of its result as oneDNN's post-op."""
+    lw.nodes[at].attrs["fn"].post_op = (attr, algorithm)
+    return _replace(lw, at, lw.nodes[at].attrs["args"], f"+ {attr} {algorithm}".rstrip() + " as its post-op")
 
 
 def _replace(lw: Lowerer, at: int, args: tuple, more: str) -> Sym:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import jit, sleef
+from .. import fast, jit, sleef
 from ..ir import Op
 from . import conv
 from .core import Lowerer, NotNative, Sym, no_out, to_meta
@@ -45,13 +45,19 @@ def _unary(op: Op) -> Callable[..., Sym]:
     return row
 
 
-def _relu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """relu: in fast mode, oneDNN's post-op of the packed convolution it follows (if nothing else
-    reads the convolution's result); else clamp_min(x, 0) in a loop."""
-    at = conv.packed_conv(lw, args[0])
-    if at is not None and not kwargs:
-        return conv.fuse_relu(lw, at)
-    return _unary(Op.RELU)(lw, fn, args, kwargs, out)
+def _post_op(attr: str, algorithm: str, otherwise: Callable[..., Sym]) -> Callable[..., Sym]:
+    """An activation: in fast mode, oneDNN's post-op `attr` of the packed convolution or linear it
+    follows (if nothing else reads that result); else `otherwise`'s lowering."""
+
+    def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        x = args[0] if args else kwargs.get("input")
+        at = conv.packed_call(lw, x)
+        if at is None or (set(kwargs) - {"input", "approximate"}) or len(args) > 1:
+            return otherwise(lw, fn, args, kwargs, out)
+        approximate = getattr(fn, "approximate", kwargs.get("approximate", "none"))
+        return conv.fuse_post_op(lw, at, attr, approximate if attr == "gelu" else algorithm)
+
+    return row
 
 
 def _pow(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -270,7 +276,7 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
             raise NotNative("batch_norm with batch statistics (training)")
     x, eps = given["input"], given.get("eps", 1e-5)
     channels = [given.get(k) for k in _BATCH_NORM_ARGS[1:5]]
-    at = conv.packed_conv(lw, x)
+    at = conv.packed_call(lw, x, fast.PackedConv)
     if at is not None and all(isinstance(t, Sym) for t in channels) and isinstance(eps, float):
         return conv.fold_batch_norm(lw, at, tuple(channels), eps)
     if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() >= 2):
