@@ -284,6 +284,35 @@ def _rsqrt_is_ieee(threads: int) -> bool:  # threads: in the cache key
     return all(same_bits(a, b, nan_payloads=False) for a, b in pairs)  # the reference's NaNs are positive
 
 
+def batch_norm_same() -> bool:
+    """Whether ATen's eval batch_norm computes, per channel, invstd = 1 / sqrt(var + eps) in IEEE
+    float32, alpha = invstd * weight, beta = fma(-mean, alpha, bias), and per element
+    fma(x, alpha, beta): what its AVX2 kernel does here, where GCC fused both (a build without FMA
+    rounds each product; braze's lowering then keeps ATen's call). Checked on channels with zero,
+    negative and tiny variances, special values, contiguous and channels-last layouts. Once per
+    process. (The reference rounds x * alpha + beta from float64: a rare double rounding would
+    only make the probe fail, and braze call ATen.)"""
+    return _batch_norm_same()
+
+
+@functools.cache
+def _batch_norm_same() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    c = 37
+    mean, weight, bias = (torch.randn(c, generator=gen) * 3 for _ in range(3))
+    var = torch.rand(c, generator=gen) * 4
+    var[:3] = torch.tensor([0.0, -1.0, 1e-30])
+    x = torch.randn(3, c, 5, 7, generator=gen) * torch.logspace(-3, 3, 3).view(3, 1, 1, 1)
+    x.view(-1)[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40])
+    eps = 1e-5
+    invstd = (1 / ((var + eps).double().sqrt().float()).double()).float()  # IEEE float32 sqrt, division
+    alpha = invstd * weight
+    beta = (-mean.double() * alpha.double() + bias.double()).float()
+    want = (x.double() * alpha.double().view(c, 1, 1) + beta.double().view(c, 1, 1)).float()
+    got = torch.nn.functional.batch_norm(x, mean, var, weight, bias, False, 0.1, eps)
+    return same_bits(got, want, nan_payloads=False)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor, nan_payloads: bool = True) -> bool:
     """float32 tensors equal bit for bit (with `nan_payloads` False: NaN where the other has NaN,
     whatever its sign and payload)."""

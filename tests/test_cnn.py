@@ -121,6 +121,28 @@ def test_batch_norm_braze_cannot_match_stays_atens_call():
     check_model(nn.BatchNorm2d(5, track_running_stats=False).eval(), (x,), externs=1)
 
 
+def test_batch_norm_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    monkeypatch.setattr(jit, "batch_norm_same", lambda: False)
+    compiled = check_model(nn.Sequential(_bn(nn.BatchNorm2d, 5)), (torch.randn(2, 5, 6, 6),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_batch_norm_probe_sees_products_rounded_apart(monkeypatch):
+    def unfused(x, mean, var, weight, bias, *rest):  # what a build without FMA computes
+        alpha = 1 / torch.sqrt(var + 1e-5) * weight
+        shape = (-1,) + (1,) * (x.dim() - 2)
+        return x * alpha.view(shape) + (bias - mean * alpha).view(shape)
+
+    monkeypatch.setattr(F, "batch_norm", unfused)
+    jit._batch_norm_same.cache_clear()
+    try:
+        assert not jit.batch_norm_same()
+    finally:
+        monkeypatch.undo()
+        jit._batch_norm_same.cache_clear()
+    assert jit.batch_norm_same()
+
+
 WINDOWS = [
     dict(kernel_size=2),
     dict(kernel_size=3, stride=2, padding=1),

@@ -289,8 +289,8 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
             raise NotNative("batch_norm without float32 running statistics, weight and bias of one value per channel")
     if not isinstance(eps, float):
         raise NotNative("batch_norm with an eps that is not a float")
-    if not jit.rsqrt_is_ieee():
-        raise NotNative("a probe found ATen's rsqrt is not 1 / sqrt in IEEE arithmetic here")
+    if not (jit.rsqrt_is_ieee() and jit.batch_norm_same()):
+        raise NotNative("a probe found ATen's batch_norm is not fma(x, alpha, beta) in IEEE arithmetic here")
     mean, var, weight, bias = channels
     per_channel = torch.empty(c, device="meta")
     invstd = lw.elementwise(Op.RSQRT, (lw.elementwise(Op.ADD, (var, eps), per_channel),), per_channel)
