@@ -112,3 +112,15 @@ def check_model(
     if externs is not None:
         assert progs and len(progs[-1].externs) == externs, f"externs: {progs[-1].externs if progs else None}"
     return compiled
+
+
+def probe_with(monkeypatch: Any, owner: Any, name: str, wrong: Any, probe: Callable[[], bool], cached: Any) -> bool:
+    """What `probe` says while owner.<name> is `wrong` (its cache, `cached`, cleared around it, so
+    the real answer is found again after)."""
+    monkeypatch.setattr(owner, name, wrong)
+    cached.cache_clear()
+    try:
+        return probe()
+    finally:
+        monkeypatch.undo()
+        cached.cache_clear()

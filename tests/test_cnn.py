@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import braze
 from braze import jit, pool
 
-from .helpers import check_model
+from .helpers import check_model, probe_with
 from .test_ops import special
 
 nn = torch.nn
@@ -133,13 +133,7 @@ def test_the_batch_norm_probe_sees_products_rounded_apart(monkeypatch):
         shape = (-1,) + (1,) * (x.dim() - 2)
         return x * alpha.view(shape) + (bias - mean * alpha).view(shape)
 
-    monkeypatch.setattr(F, "batch_norm", unfused)
-    jit._batch_norm_same.cache_clear()
-    try:
-        assert not jit.batch_norm_same()
-    finally:
-        monkeypatch.undo()
-        jit._batch_norm_same.cache_clear()
+    assert not probe_with(monkeypatch, F, "batch_norm", unfused, jit.batch_norm_same, jit._batch_norm_same)
     assert jit.batch_norm_same()
 
 
@@ -192,13 +186,8 @@ def test_max_pool2d_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
 
 def test_the_max_pool_probe_can_fail(monkeypatch):
     real = pool.max_pool2d_planes
-    monkeypatch.setattr(pool, "max_pool2d_planes", lambda *a: real(*a).nan_to_num())  # NaN not propagated
-    pool._max_pool_same.cache_clear()
-    try:
-        assert not pool.max_pool_same()
-    finally:
-        monkeypatch.undo()
-        pool._max_pool_same.cache_clear()
+    wrong = lambda *a: real(*a).nan_to_num()  # noqa: E731  NaN not propagated
+    assert not probe_with(monkeypatch, pool, "max_pool2d_planes", wrong, pool.max_pool_same, pool._max_pool_same)
     assert pool.max_pool_same()
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import braze
 from braze import rows
 
-from .helpers import check_model
+from .helpers import check_model, probe_with
 from .test_ops import special
 
 # Row lengths: ATen's 8-lane body and scalar tail, 16-vector chunks, the cascade of chunks.
@@ -96,19 +96,8 @@ def test_the_probe_sees_a_kernel_that_is_one_rounding_off(monkeypatch):
         y.view(-1)[-1] = torch.nextafter(y.view(-1)[-1], torch.tensor(float("inf")))
         return y
 
-    assert not probe_with(monkeypatch, "layer_norm_rows", off, rows.layer_norm_same, rows._layer_norm_same)
+    assert not probe_with(monkeypatch, rows, "layer_norm_rows", off, rows.layer_norm_same, rows._layer_norm_same)
     assert rows.layer_norm_same()
-
-
-def probe_with(monkeypatch, kernel: str, wrong, probe, cached) -> bool:
-    """What `probe` says when rows.<kernel> is `wrong` (its cache, `cached`, cleared around it)."""
-    monkeypatch.setattr(rows, kernel, wrong)
-    cached.cache_clear()
-    try:
-        return probe()
-    finally:
-        monkeypatch.undo()
-        cached.cache_clear()
 
 
 SOFTMAX_LENGTHS = [1, 7, 15, 16, 17, 31, 32, 33, 257, 32769]
@@ -168,7 +157,8 @@ def test_the_softmax_probe_sees_a_sum_in_another_order(monkeypatch):
         e = torch.exp(x - x.amax(-1, keepdim=True))
         return e * (1 / e.double().cumsum(-1)[..., -1:].float())
 
-    assert not probe_with(monkeypatch, "softmax_rows", in_order, lambda: rows.softmax_same(False), rows._softmax_same)
+    probe = lambda: rows.softmax_same(False)  # noqa: E731
+    assert not probe_with(monkeypatch, rows, "softmax_rows", in_order, probe, rows._softmax_same)
 
 
 SUM_LENGTHS = [1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 257, 2049, 32769]
@@ -228,7 +218,7 @@ def test_the_sum_probe_sees_a_plain_running_sum(monkeypatch):
         s = x.double().cumsum(-1)[..., -1].float()  # another order than ATen's cascade
         return s / x.shape[-1] if mean else s
 
-    assert not probe_with(monkeypatch, "sum_rows", running, rows.sum_same, rows._sum_same)
+    assert not probe_with(monkeypatch, rows, "sum_rows", running, rows.sum_same, rows._sum_same)
 
 
 def test_first_calls_on_two_threads_build_the_kernels_once():
