@@ -6,9 +6,9 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              generic path on this AMD CPU; oneDNN ran 1.3-1.7x faster at 256 x 128..4096 here)
     conv2d   oneDNN's convolution on a packed weight (mkldnn::_convolution_pointwise), channels-
              last activations, an eval BatchNorm after it folded into its weight and bias (in
-             float64) (cnn-small: 2.2x eager, prototype)
+             float64) (cnn-small: 1.6-1.8x eager, `braze bench`)
 
-An activation after either (relu, gelu, silu, sigmoid, tanh) becomes oneDNN's post-op of the call.
+An activation after either (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 
 A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
 changed in place (`_version`): never a stale answer.
@@ -41,7 +41,7 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 class Packed:
     """A oneDNN call on a weight packed for it, with `post_op` (oneDNN's unary attr and algorithm:
-    relu, gelu none/tanh, swish, sigmoid, tanh) applied to its result in the same call."""
+    relu, gelu none/tanh, swish, sigmoid) applied to its result in the same call."""
 
     post_op: tuple[str, str] = ("none", "")
 
