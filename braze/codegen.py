@@ -11,8 +11,9 @@ same order, so results are bit-identical to eager.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,6 +248,19 @@ class ModuleBuilder:
             with serial:
                 b.call(kern, [table, I64(0), n])
 
+    @contextlib.contextmanager
+    def _ranged(
+        self, b: ll.IRBuilder, table: ll.Value, base: str, numel: Dim, total: Dim
+    ) -> Iterator[tuple[ll.IRBuilder, ll.Value, ll.Value, ll.Value]]:
+        """`with self._ranged(...) as (kb, table, lo, hi):` writes, with kb, a kernel that works
+        on [lo, hi), which then runs over [0, total) as _split divides it."""
+        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique(base))
+        kern.linkage = "internal"
+        kb = ll.IRBuilder(kern.append_basic_block("entry"))
+        yield (kb, *kern.args)
+        kb.ret_void()
+        self._split(b, table, kern, numel, total)
+
     def _parallel_call(self, b: ll.IRBuilder, table: ll.Value, kern: ll.Function, total: ll.Value) -> None:
         """Split the outer loop across the OpenMP team ATen uses (torch.get_num_threads())."""
         wrap = ll.Function(self.module, ll.FunctionType(VOID, [PTR]), self.unique(kern.name + "_omp"))
@@ -290,15 +304,10 @@ class ModuleBuilder:
         if src.meta.stride != out.meta.stride or not _dense(out.meta):
             self._loop_kernel(b, table, out.meta, out, (Node(k.name, Op.COPY, (k.inputs[0],), out.meta),), {})
             src = out
-        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("vml"))
-        kern.linkage = "internal"
-        kb = ll.IRBuilder(kern.append_basic_block("entry"))
-        tbl, lo, hi = kern.args
-        vml = self.declare(k.attrs["fn"], VOID, [I32, PTR, PTR, I64])
-        start = [kb.gep(self.pointer(kb, tbl, a), [lo], source_etype=F32) for a in (src, out)]
-        kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
-        kb.ret_void()
-        self._split(b, table, kern, k.meta.numel, k.meta.numel)
+        with self._ranged(b, table, "vml", k.meta.numel, k.meta.numel) as (kb, tbl, lo, hi):
+            vml = self.declare(k.attrs["fn"], VOID, [I32, PTR, PTR, I64])
+            start = [kb.gep(self.pointer(kb, tbl, a), [lo], source_etype=F32) for a in (src, out)]
+            kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
 
     def _activation(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """sleef.py's kernel over the elements: it splits them between threads as ATen does."""
@@ -313,41 +322,31 @@ class ModuleBuilder:
         are (each row is computed whole by one thread, as in ATen: the split cannot change bits)."""
         from . import rows  # built on this module's helpers
 
-        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique(k.op.value))
-        kern.linkage = "internal"
-        kb = ll.IRBuilder(kern.append_basic_block("entry"))
-        tbl, lo, hi = kern.args
-        ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
-        n = self.dim(kb, tbl, k.attrs["n"])
-        if k.op is Op.LAYER_NORM:
-            fn = self.kernel(rows, rows.LAYER_NORM, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
-            kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
-        elif k.op is Op.SUM:
-            fn = self.kernel(rows, rows.SUM, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)])
-            total = self.dim(kb, tbl, k.attrs["rows"])
-            kb.call(fn, [*ptrs, n, lo, hi, total, ll.IntType(1)(int(k.attrs["mean"]))])
-        else:
-            fn = self.kernel(rows, rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX, [PTR, PTR, I64, I64, I64])
-            kb.call(fn, [*ptrs, n, lo, hi])
-        kb.ret_void()
-        self._split(b, table, kern, k.meta.numel, k.attrs["rows"])
+        with self._ranged(b, table, k.op.value, k.meta.numel, k.attrs["rows"]) as (kb, tbl, lo, hi):
+            ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
+            n = self.dim(kb, tbl, k.attrs["n"])
+            if k.op is Op.LAYER_NORM:
+                fn = self.kernel(rows, rows.LAYER_NORM, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
+                kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
+            elif k.op is Op.SUM:
+                fn = self.kernel(rows, rows.SUM, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)])
+                total = self.dim(kb, tbl, k.attrs["rows"])
+                kb.call(fn, [*ptrs, n, lo, hi, total, ll.IntType(1)(int(k.attrs["mean"]))])
+            else:
+                name = rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX
+                kb.call(self.kernel(rows, name, [PTR, PTR, I64, I64, I64]), [*ptrs, n, lo, hi])
 
     def _max_pool(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """pool.py's kernel over the [H, W] planes, split between ATen's threads as loops are
         (each plane is pooled whole by one thread: the split cannot change bits)."""
         from . import pool  # built on this module's helpers
 
-        kern = ll.Function(self.module, ll.FunctionType(VOID, [PTR, I64, I64]), self.unique("max_pool"))
-        kern.linkage = "internal"
-        kb = ll.IRBuilder(kern.append_basic_block("entry"))
-        tbl, lo, hi = kern.args
-        ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (k.inputs[0], k.name)]
-        sizes = [self.dim(kb, tbl, d) for d in (*self.slot_of(k.inputs[0]).meta.shape[-2:], *k.meta.shape[-2:])]
-        window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
-        fn = self.kernel(pool, pool.MAX_POOL, [PTR, PTR] + [I64] * pool.ARGS)
-        kb.call(fn, [*ptrs, *sizes, *window, lo, hi])
-        kb.ret_void()
-        self._split(b, table, kern, k.meta.numel, math.prod(k.meta.shape[:-2]))
+        with self._ranged(b, table, "max_pool", k.meta.numel, math.prod(k.meta.shape[:-2])) as (kb, tbl, lo, hi):
+            ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (k.inputs[0], k.name)]
+            shape = (*self.slot_of(k.inputs[0]).meta.shape[-2:], *k.meta.shape[-2:])
+            window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
+            fn = self.kernel(pool, pool.MAX_POOL, [PTR, PTR] + [I64] * pool.ARGS)
+            kb.call(fn, [*ptrs, *(self.dim(kb, tbl, d) for d in shape), *window, lo, hi])
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
@@ -580,9 +579,10 @@ def _strided(b: ll.IRBuilder, start: ll.Value, stop: ll.Value, step: int, emit: 
 
 
 class counted_loop:  # lower case: it reads as a statement, `with counted_loop(...) as i:`
-    """`with counted_loop(b, lo, hi, step) as i:` emits a counted loop (lo < hi is checked first)."""
+    """`with counted_loop(b, lo, hi, step) as i:` emits a counted loop (lo < hi is checked first);
+    the step is a constant or a value known at run time (positive)."""
 
-    def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int = 1) -> None:
+    def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int | ll.Value = 1) -> None:
         self.b, self.lo, self.hi, self.step = b, lo, hi, step
 
     def __enter__(self) -> ll.Value:
@@ -599,7 +599,7 @@ class counted_loop:  # lower case: it reads as a statement, `with counted_loop(.
 
     def __exit__(self, *exc: object) -> None:
         b = self.b
-        nxt = b.add(self.i, I64(self.step))
+        nxt = b.add(self.i, I64(self.step) if isinstance(self.step, int) else self.step)
         self.i.add_incoming(nxt, b.block)
         b.cbranch(b.icmp_signed("<", nxt, self.hi), self.head, self.exit)
         b.position_at_end(self.exit)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llvmlite.binding as llvm
+import llvmlite.ir as ll
 import torch
 
 _lock = threading.Lock()
@@ -289,8 +290,8 @@ def batch_norm_same() -> bool:
     float32, alpha = invstd * weight, beta = fma(-mean, alpha, bias), and per element
     fma(x, alpha, beta): what its AVX2 kernel does here, where GCC fused both (a build without FMA
     rounds each product; braze's lowering then keeps ATen's call). Checked on channels with zero,
-    negative and tiny variances, special values, contiguous and channels-last layouts. Once per
-    process. (The reference rounds x * alpha + beta from float64: a rare double rounding would
+    negative and tiny variances and on special values, for a contiguous input (the only layout
+    braze lowers). Once per process. (The reference rounds x * alpha + beta from float64: a rare double rounding would
     only make the probe fail, and braze call ATen.)"""
     return _batch_norm_same()
 
@@ -347,21 +348,23 @@ def shim_constant(name: str) -> int:
     return getattr(_torch_lib("libtorch_cpu.so"), f"aoti_torch_{name}")()
 
 
-_libraries: dict[str, dict[str, int]] = {}
-_library_lock = threading.Lock()
+_kernels: dict[str, int] = {}
+_kernel_lock = threading.Lock()
 
 
-def library(name: str, build: Callable[[], tuple[str, list[str]]]) -> dict[str, int]:
-    """Native functions that build() writes (LLVM IR text, the names to export), compiled once per
-    process (a lock: two threads' first calls must not load them twice) and callable by name from
-    modules compiled later. Their addresses by name."""
-    with _library_lock:
-        if name not in _libraries:
-            ir_text, names = build()
-            compiled = compile_module(ir_text, names, opt_level=2, want_text=False)
+def kernel(name: str, write: Callable[[ll.Module], None]) -> int:
+    """The address of kernel `name`, which write(module) defines: compiled alone (so a model
+    compiles only the kernels it uses) once per process, when a probe or program first needs it
+    (a lock: two threads' first calls must not load it twice), at -O2, and callable by name from
+    modules compiled later."""
+    with _kernel_lock:
+        if name not in _kernels:
+            module = ll.Module(name)
+            write(module)
+            compiled = compile_module(str(module), [name], opt_level=2, want_text=False)
             define_symbols(compiled.addresses)
-            _libraries[name] = compiled.addresses
-        return _libraries[name]
+            _kernels[name] = compiled.addresses[name]
+        return _kernels[name]
 
 
 def define_symbols(addresses: dict[str, int]) -> None:

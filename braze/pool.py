@@ -42,21 +42,6 @@ def _window(b: ll.IRBuilder, o: ll.Value, size: ll.Value, k: ll.Value, s: ll.Val
     return _first_inside(b, start, d), end
 
 
-def _strided_loop(b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: ll.Value, body) -> None:
-    """for (i = lo; i < hi; i += step) body(i), with a step known only at run time."""
-    fn = b.function
-    pre, head, done = b.block, fn.append_basic_block("win"), fn.append_basic_block("win_end")
-    b.cbranch(b.icmp_signed("<", lo, hi), head, done)
-    b.position_at_end(head)
-    i = b.phi(I64)
-    i.add_incoming(lo, pre)
-    body(i)
-    nxt = b.add(i, step)
-    i.add_incoming(nxt, b.block)
-    b.cbranch(b.icmp_signed("<", nxt, hi), head, done)
-    b.position_at_end(done)
-
-
 def _max_pool(module: ll.Module) -> None:
     fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR] + [I64] * ARGS), MAX_POOL)
     x, y, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi = fn.args
@@ -71,31 +56,18 @@ def _max_pool(module: ll.Module) -> None:
             with counted_loop(b, I64(0), ow) as j:
                 col0, col1 = _window(b, j, w, kw, sw, pw, dw)
                 b.store(F32(float("-inf")), best)
-
-                def row(r: ll.Value) -> None:
-                    def col(c: ll.Value) -> None:
-                        v = b.load(b.gep(src, [b.add(b.mul(r, w), c)], source_etype=F32), typ=F32)
-                        m = b.load(best, typ=F32)
-                        take = b.or_(b.fcmp_ordered(">", v, m), b.fcmp_unordered("uno", v, v))
-                        b.store(b.select(take, v, m), best)
-
-                    _strided_loop(b, col0, col1, dw, col)
-
-                _strided_loop(b, row0, row1, dh, row)
+                with counted_loop(b, row0, row1, dh) as r, counted_loop(b, col0, col1, dw) as c:
+                    v = b.load(b.gep(src, [b.add(b.mul(r, w), c)], source_etype=F32), typ=F32)
+                    m = b.load(best, typ=F32)
+                    take = b.or_(b.fcmp_ordered(">", v, m), b.fcmp_unordered("uno", v, v))
+                    b.store(b.select(take, v, m), best)
                 b.store(b.load(best, typ=F32), b.gep(dst, [b.add(b.mul(i, ow), j)], source_etype=F32))
     b.ret_void()
 
 
 def library(kernel: str) -> int:
-    """The address of pooling kernel `kernel`, built into the JIT once per process when a probe or
-    program first needs it (programs compiled later call it by name)."""
-    return jit.library(kernel, _build)[kernel]
-
-
-def _build() -> tuple[str, list[str]]:
-    module = ll.Module(MAX_POOL)
-    _max_pool(module)
-    return str(module), [MAX_POOL]
+    """The address of pooling kernel `kernel` (jit.kernel: built alone when first needed)."""
+    return jit.kernel(kernel, {MAX_POOL: _max_pool}[kernel])
 
 
 def max_pool2d_planes(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple, out: tuple):

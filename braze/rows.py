@@ -467,16 +467,9 @@ _BUILDERS: dict[str, Callable[[ll.Module], None]] = {
 
 
 def library(kernel: str) -> int:
-    """The address of row kernel `kernel`, built into the JIT once per process when a probe or
-    program first needs it (programs compiled later call it by name): each alone, so a model
-    compiles only its own (30-60 ms each at -O2; all four took ~170 ms)."""
-    return jit.library(kernel, lambda: _build(kernel))[kernel]
-
-
-def _build(kernel: str) -> tuple[str, list[str]]:
-    module = ll.Module(kernel)
-    _BUILDERS[kernel](module)
-    return str(module), [kernel]
+    """The address of row kernel `kernel` (jit.kernel: built alone when first needed, 30-60 ms
+    each at -O2; all four together took ~170 ms)."""
+    return jit.kernel(kernel, _BUILDERS[kernel])
 
 
 def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

@@ -385,7 +385,7 @@ class Program:
         return 2 * gemms + self._loop_work()
 
     def _loop_work(self) -> int:
-        """Elements the program's loops touch per call: what LLVM's optimiser would speed up."""
+        """Elements the program's kernels write per call (for _flops)."""
         return sum(value(k.meta.numel, self.point) for s in self.segments for k in s.kernels)
 
     def _namespace(self, lowered: Lowered, consts: dict[str, Any]) -> dict[str, Any]:

@@ -129,15 +129,8 @@ def _entry(module: ll.Module, fn: str) -> None:
 
 
 def library(kernel: str) -> int:
-    """The address of kernel `kernel` (name(fn)), built into the JIT once per process when a probe
-    or program first needs it: each alone, so a model compiles only its own."""
-    return jit.library(kernel, lambda: _build(kernel))[kernel]
-
-
-def _build(kernel: str) -> tuple[str, list[str]]:
-    module = ll.Module(kernel)
-    _entry(module, kernel.removeprefix(name("")))
-    return str(module), [kernel]
+    """The address of kernel `kernel` (name(fn); jit.kernel: built alone when first needed)."""
+    return jit.kernel(kernel, lambda module: _entry(module, kernel.removeprefix(name(""))))
 
 
 def run(fn: str, x: torch.Tensor) -> torch.Tensor:
