@@ -13,7 +13,7 @@ from torch.nn.modules.utils import _pair
 
 from .. import fast
 from ..ir import Op
-from .core import Lowerer, NotNative, Sym, no_out, to_meta
+from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
@@ -32,8 +32,7 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         given = dict(zip(_CONV_ARGS, args)) | kwargs
     x, w, b = given["input"], given["weight"], given.get("bias")
     padding = given.get("padding", 0)
-    float32 = lambda t: isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32  # noqa: E731
-    if not (float32(x) and float32(w) and (b is None or float32(b))) or x.meta.dim() != 4:
+    if not (is_float32(x) and is_float32(w) and (b is None or is_float32(b))) or x.meta.dim() != 4:
         raise NotNative("convolution of tensors that are not float32 (N, C, H, W)")
     if lw.ops.get(w.name) not in (Op.PARAM, Op.INPUT) or isinstance(padding, str):
         raise NotNative("convolution whose weight is not the model's, or with padding given by name")

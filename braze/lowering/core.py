@@ -40,6 +40,11 @@ class Sym:
         return _strided(self.meta)
 
 
+def is_float32(x: Any) -> bool:
+    """Whether x is a float32 tensor value of the graph (what braze's kernels compute on)."""
+    return isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32
+
+
 @dataclass
 class Lowered:
     graph: Graph

@@ -11,7 +11,7 @@ import torch
 from .. import fast, jit, sleef
 from ..ir import Op
 from . import conv
-from .core import Lowerer, NotNative, Sym, no_out, to_meta
+from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
 
 
 def _binary(op: Op) -> Callable[..., Sym]:
@@ -212,7 +212,7 @@ def _sleef(name: str) -> Callable[..., Sym]:
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         no_out(kwargs)
         x = args[0] if args else kwargs.get("input")
-        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.is_contiguous()):
+        if not (is_float32(x) and x.meta.is_contiguous()):
             raise NotNative(f"{name} of a tensor that is not contiguous float32 (ATen loops over it otherwise)")
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
             raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
@@ -242,7 +242,7 @@ def _vml(name: str) -> Callable[..., Sym]:
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         no_out(kwargs)
         x = args[0]
-        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32):
+        if not is_float32(x):
             raise NotNative(f"{name} of a tensor that is not float32")
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
             raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
@@ -279,13 +279,13 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     at = conv.packed_call(lw, x, fast.PackedConv)
     if at is not None and all(isinstance(t, Sym) for t in channels) and isinstance(eps, float):
         return conv.fold_batch_norm(lw, at, tuple(channels), eps)
-    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() >= 2):
+    if not (is_float32(x) and x.meta.dim() >= 2):
         raise NotNative("batch_norm of a tensor that is not float32 with a channel dimension")
     if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
         raise NotNative("batch_norm of a strided or channels-last input (ATen's other loop)")
     c = x.meta.shape[1]
     for t in channels:
-        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 and tuple(t.meta.shape) == (c,)):
+        if not (is_float32(t) and tuple(t.meta.shape) == (c,)):
             raise NotNative("batch_norm without float32 running statistics, weight and bias of one value per channel")
     if not isinstance(eps, float):
         raise NotNative("batch_norm with an eps that is not a float")

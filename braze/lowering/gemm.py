@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .. import config, dims, fast, jit
 from ..ir import Op, TensorMeta, broadcast_shape, contiguous_strides
-from .core import META_RULES, Lowerer, NotNative, Sym, no_out, to_meta
+from .core import META_RULES, Lowerer, NotNative, Sym, is_float32, no_out, to_meta
 
 # --- GEMMs: mirror ATen's linear/addmm/mm argument choices, so sgemm_ gets eager's arguments ---
 
@@ -102,7 +102,7 @@ def _full_precision() -> None:
 def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
     _full_precision()
     for t in (m1, m2) + ((bias,) if bias is not None else ()):
-        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32):
+        if not is_float32(t):
             raise NotNative("GEMM operands must be float32 tensors")
     if m1.meta.dim() != 2 or m2.meta.dim() != 2:
         raise NotNative("GEMM on tensors that are not 2-D")
@@ -208,7 +208,7 @@ def _bmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     _full_precision()
     b1, b2 = args[0], args[1] if len(args) > 1 else kwargs.get("mat2")
     for t in (b1, b2):
-        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 and t.meta.dim() == 3):
+        if not (is_float32(t) and t.meta.dim() == 3):
             raise NotNative("bmm operands must be 3-D float32 tensors")
     args = bmm_blas_args(TensorMeta.of(out), TensorMeta.of(b1.meta), TensorMeta.of(b2.meta))
     if args is None:
@@ -249,8 +249,7 @@ def _packs(lw: Lowerer, x: Sym, w: Sym, b: Any, transposed: bool) -> bool:
     """Fast mode: whether this linear (addmm if `transposed`) runs oneDNN's GEMM on a packed
     weight: float32 rows, a model weight (a parameter, or an input of a TorchDynamo graph), a
     vector bias or none, full matmul precision, and oneDNN timed faster at the shape."""
-    float32 = lambda t: isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32  # noqa: E731
-    if not (float32(x) and float32(w) and (b is None or float32(b))):
+    if not (is_float32(x) and is_float32(w) and (b is None or is_float32(b))):
         return False
     if lw.ops.get(w.name) not in (Op.PARAM, Op.INPUT) or jit.matmul_precision() not in jit.FULL_PRECISION:
         return False

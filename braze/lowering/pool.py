@@ -10,7 +10,7 @@ from torch.nn.modules.utils import _pair
 
 from .. import pool
 from ..ir import Op
-from .core import Lowerer, NotNative, Sym, no_out
+from .core import Lowerer, NotNative, Sym, is_float32, no_out
 from .rows import _sum
 
 _MAX_POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
@@ -27,7 +27,7 @@ def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     x = given.get("input", given.get("self"))
     if given.get("return_indices"):
         raise NotNative("max_pool2d returning indices")
-    if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() in (3, 4)):
+    if not (is_float32(x) and x.meta.dim() in (3, 4)):
         raise NotNative("max_pool2d of a tensor that is not float32 (C, H, W) or (N, C, H, W)")
     if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
         raise NotNative("max_pool2d of a strided or channels-last input (ATen's other loop)")

@@ -11,7 +11,7 @@ import torch
 
 from .. import rows, sleef
 from ..ir import Op
-from .core import Lowerer, NotNative, Sym, no_out
+from .core import Lowerer, NotNative, Sym, is_float32, no_out
 
 
 def _layer_norm_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, Any, Any, Any]:
@@ -40,7 +40,7 @@ def _layer_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         raise NotNative("layer_norm without both weight and bias (ATen's scalar path)")
     n = math.prod(shape)
     for t in (x, w, b):
-        if not (isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32):
+        if not is_float32(t):
             raise NotNative("layer_norm of tensors that are not float32")
     if (
         tuple(w.meta.shape) != shape
@@ -68,7 +68,7 @@ def _softmax(log: bool) -> Callable[..., Sym]:
         else:
             given = dict(zip(("input", "dim", "_stacklevel", "dtype"), args)) | kwargs
             x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
-        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
+        if not (is_float32(x) and x.meta.dim() > 0):
             raise NotNative(f"{label} of a tensor that is not float32 with dimensions")
         if not isinstance(dim, int) or dim not in (-1, x.meta.dim() - 1) or dtype not in (None, torch.float32):
             raise NotNative(f"{label} over a dimension other than the last (ATen's other kernel), or another dtype")
@@ -97,7 +97,7 @@ def _sum(mean: bool) -> Callable[..., Sym]:
         no_out(kwargs)
         given = dict(zip(("input", "dim", "keepdim"), args)) | kwargs
         x, dim, dtype = given.get("input", given.get("self")), given.get("dim"), given.get("dtype")
-        if not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32 and x.meta.dim() > 0):
+        if not (is_float32(x) and x.meta.dim() > 0):
             raise NotNative(f"{label} of a tensor that is not float32 with dimensions")
         rank = x.meta.dim()
         dims = range(rank) if dim is None else tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)

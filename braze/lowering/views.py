@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..ir import Op
-from .core import Lowerer, NotNative, Sym, leaves, no_out
+from .core import Lowerer, NotNative, Sym, is_float32, leaves, no_out
 
 
 def _cat(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -17,7 +17,7 @@ def _cat(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
         raise NotNative("cat whose result is not float32")
-    if not all(isinstance(t, Sym) and t.is_tensor and t.meta.dtype == torch.float32 for t in tensors):
+    if not all(is_float32(t) for t in tensors):
         raise NotNative("cat of tensors that are not all float32")
     if not isinstance(dim, int):
         raise NotNative("cat along a named dimension")
