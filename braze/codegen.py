@@ -53,8 +53,10 @@ class ModuleBuilder:
         parallel_threshold: int,
         blas_clock: bool = False,
         symbol_slots: tuple[int, ...] = (),
+        error_slot: int | None = None,
     ) -> None:
         self.module = ll.Module(name=prefix)
+        self.error_slot = error_slot  # the table's word a kernel sets on a bad index (EMBEDDING)
         self.symbol_slots = symbol_slots  # the table slot holding each symbol's value
         self.prefix = prefix
         self.slot_of = slot_of
@@ -181,6 +183,8 @@ class ModuleBuilder:
                 self._activation(b, table, k)
             elif k.op is Op.MAX_POOL:
                 self._max_pool(b, table, k)
+            elif k.op is Op.EMBEDDING:
+                self._embedding(b, table, k)
             else:
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
@@ -347,6 +351,37 @@ class ModuleBuilder:
             window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
             fn = self.kernel(pool, pool.MAX_POOL, [PTR, PTR] + [I64] * pool.ARGS)
             kb.call(fn, [*ptrs, *(self.dim(kb, tbl, d) for d in shape), *window, lo, hi])
+
+    def _embedding(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """Each index's row of the weight copied to the output's next row; an index outside
+        [0, rows) sets the table's error word instead (the program raises eager's IndexError)."""
+        index, weight = (self.slot_of(name) for name in k.inputs)
+        width = k.meta.shape[-1]
+        n = math.prod(index.meta.shape)
+        assert self.error_slot is not None
+        with self._ranged(b, table, "embedding", k.meta.numel, n) as (kb, tbl, lo, hi):
+            base = kb.load(kb.gep(tbl, [I64(index.slot)], source_etype=PTR), typ=PTR)
+            ity = I64 if index.meta.dtype == torch.int64 else I32
+            src, dst = self.pointer(kb, tbl, weight), self.pointer(kb, tbl, self.slot_of(k.name))
+            row_bytes = kb.mul(self.dim(kb, tbl, width), I64(4))
+            with counted_loop(kb, lo, hi) as r:
+                rest, at = r, self.dim(kb, tbl, index.meta.offset)
+                for d in reversed(range(len(index.meta.shape))):  # position r's element of index
+                    size, stride = (self.dim(kb, tbl, x) for x in (index.meta.shape[d], index.meta.stride[d]))
+                    i = kb.urem(rest, size) if d else rest
+                    at, rest = kb.add(at, kb.mul(i, stride)), kb.udiv(rest, size) if d else rest
+                i = kb.sext(kb.load(kb.gep(base, [at], source_etype=ity), typ=ity), I64)
+                with kb.if_else(kb.icmp_unsigned("<", i, self.dim(kb, tbl, k.attrs["rows"]))) as (ok, bad):
+                    with ok:
+                        row = kb.gep(src, [kb.mul(i, self.dim(kb, tbl, weight.meta.stride[0]))], source_etype=F32)
+                        out = kb.gep(dst, [kb.mul(r, self.dim(kb, tbl, width))], source_etype=F32)
+                        kb.call(
+                            self.declare("llvm.memcpy.p0.p0.i64", VOID, [PTR, PTR, I64, I1]),
+                            [out, row, row_bytes, I1(0)],
+                        )
+                    with bad:
+                        flag = kb.gep(tbl, [I64(self.error_slot)], source_etype=PTR)
+                        kb.atomic_rmw("xchg", flag, I64(1), "monotonic")  # threads may race to it
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:

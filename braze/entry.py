@@ -100,6 +100,7 @@ class EntrySpec:
     symbols: tuple[tuple[int, int, int], ...] = ()  # (slot, smallest, largest value): a generic program's
     int_symbols: tuple[tuple[int, int], ...] = ()  # (position, slot): int arguments that are symbols
     names: tuple[str, ...] = ()  # the parameters' names, where keyword arguments may name them
+    error_slot: int = -1  # the table's word a kernel sets on a bad index: the call raises IndexError
 
 
 def ref(slot: int) -> int:
@@ -116,7 +117,7 @@ _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
-    "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy"
+    "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
@@ -126,6 +127,7 @@ SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo", "hi")
 INT_SYMBOL_WORDS = ("pos", "slot")
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+INDEX_ERROR = "index out of range in self"  # eager's message for an embedding index out of range
 
 
 def _words(values: list[int]) -> Any:
@@ -193,6 +195,8 @@ class Descriptor:
         self._set_array("scratch", "n_scratch", [w for rec in spec.scratch for w in rec], len(spec.scratch))
         self.set("n_slots", spec.n_slots)
         self.set("release_gil", int(spec.release_gil))
+        self.set("error_slot", spec.error_slot)
+        self.set_object("index_error", IndexError)
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Check and read `new` where the entry read parameter `old` (replaced in its module).
@@ -664,6 +668,10 @@ class _Runtime:
         with b.if_then(release_gil):
             b.store(b.call(self.mb.declare("PyEval_SaveThread", PTR, []), []), state)
         run = f("run", PTR)
+        error_slot = f("error_slot")
+        checked = b.icmp_signed(">=", error_slot, I64(0))
+        with b.if_then(checked):
+            b.store(NULL, self.item(b, table, error_slot))
         with b.if_then(b.icmp_unsigned("!=", run, NULL)):
             b.call(_Callee(run, ll.FunctionType(VOID, [PTR])), [table])
         with b.if_then(release_gil):
@@ -673,14 +681,29 @@ class _Runtime:
                 b.atomic_rmw("xchg", busy, I64(0), "release")
             with other:
                 b.call(self.mb.declare("free", VOID, [PTR]), [fresh])
+        bad_index = fn.append_basic_block("bad_index")
+        done = fn.append_basic_block("done")
+        flagged = self._alloca(b, ll.IntType(1))
+        b.store(ll.IntType(1)(0), flagged)
+        with b.if_then(checked):
+            b.store(b.icmp_unsigned("!=", b.load(self.item(b, table, error_slot), typ=PTR), NULL), flagged)
+        b.cbranch(b.load(flagged, typ=ll.IntType(1)), bad_index, done)
+        b.position_at_end(done)
         self._results(b, d, handles)
-        b.position_at_end(oom)
-        with counted_loop(b, I64(0), n_out) as k:  # NULL handles are deleted as no-ops
-            b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
-        text = self.mb.cstring("braze_oom", "braze: out of memory for a compiled program's buffers")
-        b.call(self.mb.declare("PyErr_SetString", VOID, [PTR, PTR]), [f("oom", PTR), text])
-        b.ret(NULL)
+        self._fail(b, fn, bad_index, handles, "index_error", INDEX_ERROR)
+        self._fail(b, fn, oom, handles, "oom", "braze: out of memory for a compiled program's buffers")
         return fn
+
+    def _fail(self, b: ll.IRBuilder, fn: ll.Function, block: ll.Block, handles: ll.Value, kind: str, text: str) -> None:
+        """At `block`: free the outputs allocated so far (NULL handles are deleted as no-ops),
+        raise the exception type in descriptor field `kind` with `text`, return NULL."""
+        b.position_at_end(block)
+        d = fn.args[0]
+        with counted_loop(b, I64(0), self.field(b, d, "n_outputs")) as k:
+            b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
+        text_ptr = self.mb.cstring(f"braze_{kind}", text)
+        b.call(self.mb.declare("PyErr_SetString", VOID, [PTR, PTR]), [self.field(b, d, kind, PTR), text_ptr])
+        b.ret(NULL)
 
     def _allocate(
         self, b: ll.IRBuilder, d: ll.Value, k: ll.Value, handle: ll.Value, table: ll.Value, oom: ll.Block

@@ -59,6 +59,9 @@ class Op(enum.Enum):
     # max_pool2d of each [H, W] plane of inputs[0] (contiguous), as ATen (pool.py); attrs: kernel,
     # stride, padding, dilation (pairs)
     MAX_POOL = "max_pool"
+    # Rows of inputs[1] (2-D, rows contiguous) copied out in the order of the int64/int32 indices
+    # inputs[0], as ATen's embedding; an index outside [0, attrs rows) raises eager's IndexError.
+    EMBEDDING = "embedding"
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -70,7 +73,19 @@ ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE, Op.FMA}
 # Ops whose value is computed by native code into its own buffer.
 KERNELS = (
     frozenset(
-        {Op.FUSED, Op.GEMM, Op.BMM, Op.CAT, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX, Op.SUM, Op.MAX_POOL}
+        {
+            Op.FUSED,
+            Op.GEMM,
+            Op.BMM,
+            Op.CAT,
+            Op.VML,
+            Op.ACTIVATION,
+            Op.LAYER_NORM,
+            Op.SOFTMAX,
+            Op.SUM,
+            Op.MAX_POOL,
+            Op.EMBEDDING,
+        }
     )
     | ELEMENTWISE
 )

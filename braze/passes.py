@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from . import config
+from . import config, dims
+from .dims import Dim
 from .ir import ELEMENTWISE, Graph, Node, Op, TensorMeta, verify
 
 Pass = Callable[[Graph], Graph]
@@ -201,12 +202,20 @@ def _take(n: Node, dying: list[str], held: dict, free: list, sizes: list) -> int
         buf = held.pop(dying[0])
         sizes[buf] = max(sizes[buf], need)
         return buf
-    fits = sorted((b, k) for b, k in free if b >= need)
+    fits = sorted(((b, k) for b, k in free if _holds(b, need)), key=lambda f: (dims.typical(f[0]), f[1]))
     if fits:
         free.remove(fits[0])
         return fits[0][1]
     sizes.append(need)
     return len(sizes) - 1
+
+
+def _holds(size: Dim, need: Dim) -> bool:
+    """A buffer of `size` bytes holds `need` bytes at every size a generic program admits."""
+    try:
+        return size >= need
+    except dims.Undecided:  # at some sizes only: a buffer of its own
+        return False
 
 
 PIPELINE: tuple[Pass, ...] = (dce, fuse_elementwise, fuse_epilogue, plan_memory)

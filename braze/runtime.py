@@ -55,6 +55,7 @@ class Layout:
     owner: dict[str, str] = field(default_factory=dict)
     scratch_bytes: dict[int, int] = field(default_factory=dict)  # tmp buffer id -> bytes
     tmp_slot: dict[int, int] = field(default_factory=dict)
+    error: int | None = None  # the word a kernel sets on a bad index (EMBEDDING): raise IndexError
 
 
 def _layout(graph: Graph) -> Layout:
@@ -75,6 +76,8 @@ def _layout(graph: Graph) -> Layout:
             lay.slot[n.name] = lay.tmp_slot[buf]
         else:
             lay.slot[n.name] = len(lay.slot)
+    if any(n.op is Op.EMBEDDING for n in graph.nodes):
+        lay.error = lay.slot["#error"] = len(lay.slot)
     return lay
 
 
@@ -310,6 +313,7 @@ class Program:
             symbols=tuple((slot, lo, hi) for slot, (lo, hi) in zip(self.symbol_slots, bounds)),
             int_symbols=int_symbols,
             names=guard.names if len(guard.names) == lowered.n_args else (),
+            error_slot=-1 if self.layout.error is None else self.layout.error,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -318,7 +322,9 @@ class Program:
             self.timings.append(("entry runtime (once)", (time.perf_counter() - t0) * 1e3))
             t0 = time.perf_counter()
         prefix = f"braze{next(_serial)}"
-        mb = ModuleBuilder(prefix, self._access, config.parallel_threshold, config.blas_clock, self.symbol_slots)
+        mb = ModuleBuilder(
+            prefix, self._access, config.parallel_threshold, config.blas_clock, self.symbol_slots, self.layout.error
+        )
         segs = [mb.segment(s) for s in self.segments]
         desc_name = entry.emit_trampolines(mb)
         dims = [mb.emit_dims(list(self.derived.items()))] if self.family is not None else []
@@ -398,6 +404,7 @@ class Program:
         ns["_relaid"] = _relaid
         ns["_scratch_view"] = _scratch_view
         ns["_stale"] = self._went_stale
+        ns["INDEX_ERROR"] = entry.INDEX_ERROR
         return ns
 
 
@@ -545,7 +552,12 @@ class _RunnerWriter:
                 self.lines.append(f"    t[{self.prog.layout.slot[k.name]}] = {k.name}.data_ptr()")
                 self._own(k.name, k.name, m)
         memory = sorted(v for v in _native_reads(self.prog, [self.prog.segments[i]]) if self.base.get(v, ("",))[0] == v)
+        checked = any(k.op is Op.EMBEDDING for k in self.prog.segments[i].kernels)
+        if checked:
+            self.lines.append(f"    t[{self.prog.layout.error}] = 0")
         self.lines.append(f"    _seg{i}(ws.addr)" + (f"  # on {', '.join(memory)}" if memory else ""))
+        if checked:
+            self.lines.append(f"    if t[{self.prog.layout.error}]: raise IndexError(INDEX_ERROR)")
 
     def _py(self, x: Any) -> str:
         if isinstance(x, Sym):

@@ -14,6 +14,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels
     pool.py         max_pool2d through braze's pooling kernel; adaptive_avg_pool2d to 1 x 1 (a mean)
     conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
+    index.py        embedding as native row copies
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .elementwise import (
     _where,
 )
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
+from .index import _embedding
 from .pool import _adaptive_avg_pool2d, _max_pool2d
 from .rows import _layer_norm, _softmax, _sum
 from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op, _views
@@ -181,6 +183,7 @@ def _rows() -> None:
     register(F.max_pool2d, torch.max_pool2d, nn.MaxPool2d)(_max_pool2d)
     register(F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d)(_adaptive_avg_pool2d)
     register(F.conv2d, torch.conv2d, nn.Conv2d)(_conv2d)
+    register(F.embedding, nn.Embedding)(_embedding)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)
