@@ -15,6 +15,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     pool.py         max_pool2d through braze's pooling kernel; adaptive_avg_pool2d to 1 x 1 (a mean)
     conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
     index.py        embedding as native row copies
+    transformer.py  nn.TransformerEncoderLayer's fused fast path, as the ops its CPU kernel runs
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
 from .index import _embedding
 from .pool import _adaptive_avg_pool2d, _max_pool2d
 from .rows import _layer_norm, _softmax, _sum
+from .transformer import _encoder_layer
 from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op, _views
 
 __all__ = [
@@ -184,6 +186,7 @@ def _rows() -> None:
     register(F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d)(_adaptive_avg_pool2d)
     register(F.conv2d, torch.conv2d, nn.Conv2d)(_conv2d)
     register(F.embedding, nn.Embedding)(_embedding)
+    register(torch._transformer_encoder_layer_fwd)(_encoder_layer)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

@@ -1,0 +1,109 @@
+"""nn.TransformerEncoderLayer's fused fast path (`torch._transformer_encoder_layer_fwd`, what an
+eval layer with batch_first calls) lowered as the ops its CPU kernel runs, in its order, so each
+becomes braze's own (GEMMs, softmax, layer_norm, elementwise) or an ATen call of its own.
+
+ATen's CPU path (transformers/transformer.cpp, attention.cpp, NativeMultiheadAttnKernel.cpp):
+optional layer_norm; qkv = matmul(x, W_qkv.t()) without bias; q = (q + b_q) * s with s =
+float(1 / sqrtf(head_dim)), k + b_k, v + b_v, each laid out [B, H, T, head_dim]; scores = bmm(q,
+k^T); softmax over the last dimension (no scaled_dot_product_attention on CPU); bmm with v; the
+heads back to [B*T, D] and addmm with the output projection; + src; layer_norm (post-norm);
+addmm, relu or gelu, addmm; + the residual; layer_norm (post-norm). Checked bit for bit against
+the fused op for relu/gelu, pre/post-norm, head sizes 10 to 64, batch 1-4, lengths 1-128, strided
+inputs, 1 and 2 threads (tests/test_transformer.py).
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .core import Lowerer, NotNative, Sym, is_float32
+
+_ARGS = (
+    "src embed_dim num_heads qkv_weight qkv_bias proj_weight proj_bias use_gelu norm_first eps norm_weight_1 "
+    "norm_bias_1 norm_weight_2 norm_bias_2 ffn_weight_1 ffn_bias_1 ffn_weight_2 ffn_bias_2 mask mask_type"
+).split()
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _encoder_layer(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    g = dict(zip(_ARGS, args)) | kwargs
+    src, heads = g["src"], g["num_heads"]
+    if g.get("mask") is not None:
+        raise NotNative("the fused transformer layer with a mask (ATen's _masked_softmax: glibc expf, double sums)")
+    if not (is_float32(src) and src.meta.dim() == 3 and src.meta.numel() > 0):
+        raise NotNative("the fused transformer layer of a tensor that is not non-empty 3-D float32")
+    b, t, d = src.meta.shape
+    if src.meta.stride(0) != src.meta.stride(1) * t:
+        raise NotNative("the fused transformer layer of an input its matmul does not fold into one GEMM")
+    ops = _Ops(lw)
+    x = ops.norm(src, g, 1) if g["norm_first"] else src
+    x = ops.add(_attention(ops, x, g, b, t, d, heads), src)
+    if not g["norm_first"]:
+        x = ops.norm(x, g, 1)
+    h = ops.norm(x, g, 2) if g["norm_first"] else x
+    h = ops.addmm(g["ffn_bias_1"], ops.method("reshape", h, b * t, d), g["ffn_weight_1"])
+    h = ops.call(F.gelu if g["use_gelu"] else torch.relu, h)
+    y = ops.add(ops.method("view", ops.addmm(g["ffn_bias_2"], h, g["ffn_weight_2"]), b, t, d), x)
+    return ops.norm(y, g, 2) if not g["norm_first"] else y
+
+
+def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -> Sym:
+    dh = d // heads
+    qkv = ops.call(torch.mm, ops.method("view", x, b * t, d), ops.method("t", g["qkv_weight"]))
+    qkv = ops.method("view", qkv, b, t, 3, heads, dh)
+    bias = ops.method("view", g["qkv_bias"], 3, 1, 1, heads, dh)
+    scale = _f32(1.0 / _f32(dh**0.5))  # sqrtf, then a double division rounded to float
+
+    def part(i: int, scaled: bool = False) -> Sym:
+        v = ops.add(ops.item(qkv, (slice(None), slice(None), i)), ops.item(bias, i))
+        v = ops.call(operator.mul, v, scale) if scaled else v
+        v = ops.method("contiguous", ops.method("permute", v, 0, 2, 1, 3))
+        return ops.method("view", v, b * heads, t, dh)
+
+    q, k, v = part(0, scaled=True), part(1), part(2)
+    scores = ops.call(torch.softmax, ops.call(torch.bmm, q, ops.method("transpose", k, 2, 1)), -1)
+    ctx = ops.method("view", ops.call(torch.bmm, scores, v), b, heads, t, dh)
+    ctx = ops.method("view", ops.method("contiguous", ops.method("permute", ctx, 0, 2, 1, 3)), b * t, d)
+    return ops.method("view", ops.addmm(g["proj_bias"], ctx, g["proj_weight"]), b, t, d)
+
+
+class _Ops:
+    """The calls of the decomposition, each lowered as the graph's own calls are (lw.call)."""
+
+    def __init__(self, lw: Lowerer) -> None:
+        self.lw = lw
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        name = getattr(fn, "__name__", str(fn))
+        return self.lw.call(fn, args, {}, key=fn, label=f"torch._transformer_encoder_layer_fwd: {name}")
+
+    def method(self, name: str, *args: Any) -> Any:
+        label = f"torch._transformer_encoder_layer_fwd: .{name}"
+        return self.lw.call(getattr(torch.Tensor, name), args, {}, key=name, label=label)
+
+    def add(self, a: Sym, b: Sym) -> Sym:
+        return self.call(operator.add, a, b)
+
+    def item(self, x: Sym, index: Any) -> Sym:
+        return self.call(operator.getitem, x, index)
+
+    def addmm(self, bias: Sym, x: Sym, weight: Sym) -> Sym:
+        return self.call(torch.addmm, bias, x, self.method("t", weight))
+
+    def norm(self, x: Sym, g: dict, i: int) -> Sym:
+        d = x.meta.shape[-1]
+        return self.lw.call(
+            F.layer_norm,
+            (x, (d,), g[f"norm_weight_{i}"], g[f"norm_bias_{i}"], g["eps"]),
+            {},
+            key=F.layer_norm,
+            label="torch._transformer_encoder_layer_fwd: layer_norm",
+        )

@@ -1,0 +1,55 @@
+"""nn.TransformerEncoderLayer's fused fast path, lowered as the ops ATen's CPU kernel runs: bit for
+bit with eager, and native (no ATen call but gelu's) where eager takes that path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .helpers import check_model
+
+
+def _layer(d: int, heads: int, activation: str, norm_first: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        d, heads, dim_feedforward=2 * d, dropout=0, activation=activation, norm_first=norm_first, batch_first=True
+    )
+    return layer.eval()
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("d,heads", [(64, 2), (40, 4), (256, 8)])  # head sizes 32, 10, 32
+@pytest.mark.parametrize("batch,length", [(1, 7), (2, 33), (3, 16)])
+def test_encoder_layer_is_native_and_exact(activation, norm_first, d, heads, batch, length):
+    x = torch.randn(batch, length, d)
+    with torch.no_grad():
+        check_model(_layer(d, heads, activation, norm_first), (x,), externs=int(activation == "gelu"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_encoder_layer_across_threads_and_strided_inputs(threads):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = _layer(128, 4, "relu", False)
+        padded = torch.randn(4, 64, 256)[:, :, :128]  # rows 256 apart: still one GEMM for the qkv matmul
+        transposed = torch.randn(64, 4, 128).transpose(0, 1)  # its matmul is a bmm: ATen's fused op
+        with torch.no_grad():
+            check_model(layer, (padded,), externs=0)
+            check_model(layer, (transposed,), externs=1)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_encoder_layer_with_a_padding_mask_stays_atens():
+    layer = _layer(64, 2, "relu", False)
+    x, mask = torch.randn(2, 9, 64), torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, 6:] = True
+    with torch.no_grad():
+        check_model(lambda x, m: layer(x, src_key_padding_mask=m), (x, mask))
+
+
+def test_encoder_layer_one_token_long():
+    with torch.no_grad():
+        check_model(_layer(64, 2, "relu", True), (torch.randn(3, 1, 64),))
