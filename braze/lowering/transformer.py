@@ -57,7 +57,7 @@ def _encoder_layer(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) ->
 
 def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -> Sym:
     dh = d // heads
-    qkv = ops.call(torch.mm, ops.method("view", x, b * t, d), ops.method("t", g["qkv_weight"]))
+    qkv = ops.call(F.linear, ops.method("view", x, b * t, d), g["qkv_weight"])  # ATen: mm(x, W^T)
     qkv = ops.method("view", qkv, b, t, 3, heads, dh)
     bias = ops.method("view", g["qkv_bias"], 3, 1, 1, heads, dh)
     scale = _f32(1.0 / _f32(dh**0.5))  # sqrtf, then a double division rounded to float
@@ -96,7 +96,9 @@ class _Ops:
         return self.call(operator.getitem, x, index)
 
     def addmm(self, bias: Sym, x: Sym, weight: Sym) -> Sym:
-        return self.call(torch.addmm, bias, x, self.method("t", weight))
+        """addmm(bias, x, weight^T), which is what ATen's linear of a matrix calls (as a linear,
+        fast mode may run it on a packed weight)."""
+        return self.call(F.linear, x, weight, bias)
 
     def norm(self, x: Sym, g: dict, i: int) -> Sym:
         d = x.meta.shape[-1]
