@@ -7,6 +7,12 @@ sees fixed trip counts and vectorises the innermost loop; in a shape-generic pro
 polynomials of the symbols (dims.Expr), whose values the table holds too, and the code computes
 them once per kernel. No fast-math flags: every float op is the IEEE op ATen performs, in the
 same order, so results are bit-identical to eager.
+
+    __init__.py   ModuleBuilder: a segment's kernels, in order: elementwise loops (their nest
+                  and threads), calls of the kernel libraries (rows.py, sleef.py, pool.py),
+                  MKL's vector math, embedding row copies, GEMMs and batched GEMMs
+    loops.py      the elementwise loop nest and each element's arithmetic; LLVM types and the
+                  helpers every kernel writer shares
 """
 
 from __future__ import annotations
@@ -20,21 +26,43 @@ from typing import Any
 import llvmlite.ir as ll
 import torch
 
-from . import dims, jit
-from .dims import Dim, Expr
-from .ir import COMPARE, Node, Op, TensorMeta
+from .. import dims, jit
+from ..dims import Dim, Expr
+from ..ir import Node, Op, TensorMeta
+from .loops import (
+    F32,
+    I1,
+    I8,
+    I32,
+    I64,
+    PTR,
+    VOID,
+    WIDTH,
+    Access,
+    _BodyEmitter,
+    _bstrides,
+    _loop_dims,
+    _nest,
+    counted_loop,
+    declared,
+    fma,
+)
 
-F32, I64, I32, I8, I1 = ll.FloatType(), ll.IntType(64), ll.IntType(32), ll.IntType(8), ll.IntType(1)
-PTR = ll.PointerType()
-VOID = ll.VoidType()
-
-
-@dataclass(frozen=True)
-class Access:
-    """Where a value's elements are: slot in the table + layout (element units)."""
-
-    slot: int
-    meta: TensorMeta
+__all__ = [
+    "F32",
+    "I1",
+    "I8",
+    "I32",
+    "I64",
+    "PTR",
+    "VOID",
+    "Access",
+    "ModuleBuilder",
+    "Segment",
+    "counted_loop",
+    "declared",
+    "fma",
+]
 
 
 @dataclass
@@ -315,7 +343,7 @@ class ModuleBuilder:
 
     def _activation(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """sleef.py's kernel over the elements: it splits them between threads as ATen does."""
-        from . import sleef  # built on this module's helpers
+        from .. import sleef  # built on this module's helpers
 
         fn = self.kernel(sleef, sleef.name(k.attrs["fn"]), [PTR, PTR, I64])
         ptrs = [self.pointer(b, table, self.slot_of(name)) for name in (k.inputs[0], k.name)]
@@ -324,7 +352,7 @@ class ModuleBuilder:
     def _rows(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """rows.py's kernel over the rows, split between ATen's threads as its elementwise loops
         are (each row is computed whole by one thread, as in ATen: the split cannot change bits)."""
-        from . import rows  # built on this module's helpers
+        from .. import rows  # built on this module's helpers
 
         with self._ranged(b, table, k.op.value, k.meta.numel, k.attrs["rows"]) as (kb, tbl, lo, hi):
             ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
@@ -343,7 +371,7 @@ class ModuleBuilder:
     def _max_pool(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """pool.py's kernel over the [H, W] planes, split between ATen's threads as loops are
         (each plane is pooled whole by one thread: the split cannot change bits)."""
-        from . import pool  # built on this module's helpers
+        from .. import pool  # built on this module's helpers
 
         with self._ranged(b, table, "max_pool", k.meta.numel, math.prod(k.meta.shape[:-2])) as (kb, tbl, lo, hi):
             ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (k.inputs[0], k.name)]
@@ -516,297 +544,3 @@ def _ref(b: ll.IRBuilder, ty: ll.Type, v: ll.Constant) -> ll.Value:
         slot = b.alloca(ty)
     b.store(v, slot)
     return slot
-
-
-def _dtype_of(operands: dict[str, Access], name: str) -> bool:
-    """True when the value is float32 (the only other dtype loops read is bool)."""
-    a = operands.get(name)
-    return a is None or a.meta.dtype.is_floating_point
-
-
-def _bstrides(meta: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of `meta` broadcast to `shape` (0 on broadcast dimensions)."""
-    pad = len(shape) - len(meta.shape)
-    out = []
-    for d, size in enumerate(shape):
-        j = d - pad
-        out.append(0 if j < 0 or (meta.shape[j] == 1 and size != 1) else meta.stride[j])
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class _Dim:
-    size: Dim
-    axis: int  # innermost original axis folded into this loop; its strides step the index
-
-
-def _loop_dims(shape: tuple[Dim, ...], metas: list[TensorMeta], out: TensorMeta) -> list[_Dim]:
-    """Loop order (outer to inner) following the output's strides; merge dims every access
-    walks contiguously, so a dense tensor is one flat loop."""
-    strides = [_bstrides(m, shape) for m in metas]
-    order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -dims.typical(out.stride[d]))
-    loops: list[_Dim] = []
-    for d in order:
-        if loops and all(s[loops[-1].axis] == s[d] * shape[d] for s in strides):
-            loops[-1] = _Dim(loops[-1].size * shape[d], d)  # every access walks both as one run
-            continue
-        loops.append(_Dim(shape[d], d))
-    return loops
-
-
-def _nest(
-    b: ll.IRBuilder,
-    sizes: list[int | ll.Value],
-    lo: ll.Value,
-    hi: ll.Value,
-    inner: Callable[..., None],
-    width: int,
-) -> None:
-    """Loop nest over `sizes` (constants, or values computed per call); the outermost runs
-    [lo, hi). With width > 1 the innermost loop steps `width` elements at a time, then finishes
-    the remainder one element at a time."""
-    if not sizes:
-        inner(b, [], 1)
-        return
-    idx: list[ll.Value] = []
-
-    def level(depth: int) -> None:
-        size = sizes[depth]
-        start, stop = (lo, hi) if depth == 0 else (I64(0), I64(size) if isinstance(size, int) else size)
-        if depth + 1 < len(sizes):
-            with counted_loop(b, start, stop) as i:
-                idx.append(i)
-                level(depth + 1)
-                idx.pop()
-            return
-        if depth > 0 and isinstance(size, int) and size <= FULL_UNROLL:
-            # A short row inside a loop nest: straight-line code, no loop of its own (at -O0 the
-            # row's counter and bounds checks would cost more than its few vectors).
-            whole = size // width * width if width > 1 else 0
-            if whole:
-                inner(b, idx + [I64(0)], width, tuple(range(0, whole, width)))
-            if size > whole:
-                inner(b, idx + [I64(whole)], 1, tuple(range(size - whole)))
-            return
-        if width > 1 and (not isinstance(size, int) or size >= UNROLL * width):
-            # Unrolled: without LLVM's optimiser the loop counter lives on the stack, and its
-            # store-to-load chain, not the arithmetic, would set the pace of a one-vector loop.
-            unrolled = tuple(u * width for u in range(UNROLL))
-            start = _strided(b, start, stop, UNROLL * width, lambda i: inner(b, idx + [i], width, unrolled))
-        if width > 1:
-            start = _strided(b, start, stop, width, lambda i: inner(b, idx + [i], width))
-        with counted_loop(b, start, stop) as i:
-            inner(b, idx + [i], 1)
-
-    level(0)
-
-
-def _strided(b: ll.IRBuilder, start: ll.Value, stop: ll.Value, step: int, emit: Callable) -> ll.Value:
-    """Loop over the whole steps of `step` (a power of two) in [start, stop); return where the
-    rest begins. Bounds known here are folded: at -O0 a division would cost ~40 cycles a row."""
-    if isinstance(start, ll.Constant) and isinstance(stop, ll.Constant):
-        end: ll.Value = I64(start.constant + (stop.constant - start.constant) // step * step)
-    else:
-        end = b.add(start, b.and_(b.sub(stop, start), I64(-step)))  # stop >= start: round down
-    with counted_loop(b, start, end, step) as i:
-        emit(i)
-    return end
-
-
-class counted_loop:  # lower case: it reads as a statement, `with counted_loop(...) as i:`
-    """`with counted_loop(b, lo, hi, step) as i:` emits a counted loop (lo < hi is checked first);
-    the step is a constant or a value known at run time (positive)."""
-
-    def __init__(self, b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int | ll.Value = 1) -> None:
-        self.b, self.lo, self.hi, self.step = b, lo, hi, step
-
-    def __enter__(self) -> ll.Value:
-        b = self.b
-        fn = b.function
-        self.pre = b.block
-        self.head = fn.append_basic_block("loop")
-        self.exit = fn.append_basic_block("after")
-        b.cbranch(b.icmp_signed("<", self.lo, self.hi), self.head, self.exit)
-        b.position_at_end(self.head)
-        self.i = b.phi(I64)
-        self.i.add_incoming(self.lo, self.pre)
-        return self.i
-
-    def __exit__(self, *exc: object) -> None:
-        b = self.b
-        nxt = b.add(self.i, I64(self.step) if isinstance(self.step, int) else self.step)
-        self.i.add_incoming(nxt, b.block)
-        b.cbranch(b.icmp_signed("<", nxt, self.hi), self.head, self.exit)
-        b.position_at_end(self.exit)
-
-
-WIDTH = 8  # float32 lanes of an AVX2 register
-UNROLL = 4  # vectors per iteration of the main loop
-FULL_UNROLL = 128  # elements: inner rows this short are written out in full
-
-
-def _nonzero(x: int | ll.Value) -> bool:
-    """A stride or offset that may not be 0 (one computed per call is a product of sizes >= 1)."""
-    return not isinstance(x, int) or x != 0
-
-
-def _one(x: int | ll.Value) -> bool:
-    return isinstance(x, int) and x == 1
-
-
-def _value(x: int | ll.Value) -> ll.Value:
-    return I64(x) if isinstance(x, int) else x
-
-
-class _BodyEmitter:
-    """Emits one iteration (one element, or WIDTH of them) of a fused elementwise body."""
-
-    def __init__(
-        self, body: tuple[Node, ...], accesses: dict, dims: list[_Dim], operands: dict[str, Access], bool_out: bool
-    ) -> None:
-        self.body, self.accesses, self.dims, self.operands = body, accesses, dims, operands
-        self.bool_out = bool_out  # the loop stores a comparison's i1 values as bytes
-
-    def pointer(self, b: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
-        base, strides, off = self.accesses[name]
-        # Without LLVM's optimiser nothing folds `* 1` or `+ 0`: skip them here.
-        steps = [(i, strides[d.axis]) for d, i in zip(self.dims, idx) if _nonzero(strides[d.axis])]
-        terms = [i if _one(st) else b.mul(i, _value(st)) for i, st in steps] + ([_value(off)] if _nonzero(off) else [])
-        lin = terms[0] if terms else I64(0)
-        for t in terms[1:]:
-            lin = b.add(lin, t)
-        return b.gep(base, [lin], source_etype=self._etype(name))
-
-    def _inner_stride(self, name: str) -> int | ll.Value:
-        """How far an access moves per step of the innermost loop (0: broadcast)."""
-        return self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
-
-    def _etype(self, name: str) -> ll.Type:
-        if name == "__out__":
-            return I8 if self.bool_out else F32
-        return F32 if _dtype_of(self.operands, name) else I8
-
-    def emit(self, b: ll.IRBuilder, idx: list[ll.Value], width: int, offsets: tuple[int, ...] = (0,)) -> None:
-        """The body at `idx`, then at each further element offset along the innermost loop
-        (an unrolled iteration): addresses are computed once, then displaced by constants."""
-        ty = (lambda t: ll.VectorType(t, width)) if width > 1 else (lambda t: t)
-        bases: dict[str, ll.Value] = {}
-
-        def at(name: str, offset: int) -> ll.Value:
-            if name not in bases:
-                bases[name] = self.pointer(b, name, idx)
-            inner = self._inner_stride(name)
-            if not offset or not _nonzero(inner):
-                return bases[name]
-            step = I64(offset * inner) if isinstance(inner, int) else b.mul(I64(offset), inner)
-            return b.gep(bases[name], [step], source_etype=self._etype(name))
-
-        def const(v: float) -> ll.Constant:
-            return ll.Constant(ty(F32), [v] * width) if width > 1 else F32(v)
-
-        def load(name: str, offset: int) -> ll.Value:
-            ety = self._etype(name)
-            ptr = at(name, offset)
-            if width == 1 or self._inner_stride(name) == 1:
-                return b.load(ptr, typ=ty(ety), align=4 if ety is F32 else 1)
-            scalar = b.load(ptr, typ=ety)  # broadcast along the vector: splat one element
-            vec = b.insert_element(ll.Constant(ty(ety), None), scalar, I32(0))
-            return b.shuffle_vector(
-                vec, ll.Constant(ty(ety), None), ll.Constant(ll.VectorType(I32, width), [0] * width)
-            )
-
-        for offset in offsets:
-            vals: dict[str, ll.Value] = {}
-
-            def get(x: object, vals: dict = vals, offset: int = offset) -> ll.Value:
-                if isinstance(x, str):
-                    if x not in vals:
-                        vals[x] = load(x, offset)
-                    return vals[x]
-                return const(x)
-
-            for n in self.body:
-                vals[n.name] = _scalar_op(b, n, get, const)
-            result = vals[self.body[-1].name]
-            if self.bool_out:
-                b.store(b.zext(result, ty(I8)), at("__out__", offset), align=1)
-            else:
-                b.store(result, at("__out__", offset), align=4)
-
-
-def _scalar_op(
-    b: ll.IRBuilder, n: Node, get: Callable[[object], ll.Value], const: Callable[[float], ll.Value]
-) -> ll.Value:
-    """One element (or vector of elements) of an elementwise node, with ATen's exact semantics
-    for NaN and signed zero."""
-    x = [get(i) for i in n.inputs]
-    op = n.op
-    if op is Op.COPY:
-        return x[0]
-    if op in _ARITH:
-        return _ARITH[op](b, x[0], x[1])
-    if op is Op.FMA:
-        return fma(b, *x)
-    if op is Op.NEG:
-        return b.fneg(x[0])
-    if op is Op.ABS:  # clears the sign bit, as ATen's abs does
-        return _intrinsic(b, "fabs", x[0])
-    if op is Op.RSQRT:  # ATen's rsqrt: an IEEE square root, then an IEEE division (no fast-math)
-        return b.fdiv(const(1.0), _intrinsic(b, "sqrt", x[0]))
-    if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0
-        return b.select(b.fcmp_ordered("<", x[0], const(0.0)), const(0.0), x[0])
-    if op is Op.LEAKY_RELU:
-        return b.select(b.fcmp_ordered(">", x[0], const(0.0)), x[0], b.fmul(x[0], const(n.attrs["slope"])))
-    if op is Op.CLAMP:  # min_ps(hi, max_ps(lo, x)): NaN passes through
-        v = x[0]
-        if n.attrs["lo"] is not None:
-            lo = const(n.attrs["lo"])
-            v = b.select(b.fcmp_ordered(">", lo, v), lo, v)
-        if n.attrs["hi"] is not None:
-            hi = const(n.attrs["hi"])
-            v = b.select(b.fcmp_ordered("<", hi, v), hi, v)
-        return v
-    if op in (Op.MAXIMUM, Op.MINIMUM):  # NaN if either is NaN, else max_ps/min_ps
-        cmp = ">" if op is Op.MAXIMUM else "<"
-        pick = b.select(b.fcmp_ordered(cmp, x[0], x[1]), x[0], x[1])
-        nan = b.fcmp_unordered("uno", x[0], x[1])
-        return b.select(nan, const(float("nan")), pick)
-    if op in COMPARE:  # IEEE: false when either is NaN, except != (true)
-        if op is Op.NE:
-            return b.fcmp_unordered("!=", x[0], x[1])
-        return b.fcmp_ordered(_COMPARE[op], x[0], x[1])
-    if op is Op.WHERE:
-        cond = x[0]  # a comparison's i1 values, or bool bytes loaded from memory
-        element = cond.type.element if isinstance(cond.type, ll.VectorType) else cond.type
-        if element != I1:
-            zero = ll.Constant(cond.type, [0] * cond.type.count) if isinstance(cond.type, ll.VectorType) else I8(0)
-            cond = b.icmp_unsigned("!=", cond, zero)
-        return b.select(cond, x[1], x[2])
-    raise NotImplementedError(op)
-
-
-def declared(module: ll.Module, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:
-    """The function `name` of `module` (an intrinsic, or one linked by name), declared once."""
-    return module.globals.get(name) or ll.Function(module, ll.FunctionType(ret, args), name)
-
-
-def _intrinsic(b: ll.IRBuilder, name: str, *xs: ll.Value) -> ll.Value:
-    """LLVM's `llvm.<name>` on floats or vectors of floats (fabs, sqrt, fma: exact IEEE operations)."""
-    ty = xs[0].type
-    full = f"llvm.{name}.v{ty.count}f32" if isinstance(ty, ll.VectorType) else f"llvm.{name}.f32"
-    return b.call(declared(b.module, full, ty, [ty] * len(xs)), list(xs))
-
-
-def fma(b: ll.IRBuilder, x: ll.Value, y: ll.Value, z: ll.Value) -> ll.Value:
-    """x * y + z rounded once, where ATen's build has an FMA (GCC contracted it)."""
-    return _intrinsic(b, "fma", x, y, z)
-
-
-_COMPARE = {Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.EQ: "=="}
-
-_ARITH = {
-    Op.ADD: lambda b, x, y: b.fadd(x, y),
-    Op.SUB: lambda b, x, y: b.fsub(x, y),
-    Op.MUL: lambda b, x, y: b.fmul(x, y),
-    Op.DIV: lambda b, x, y: b.fdiv(x, y),
-}
