@@ -9,6 +9,13 @@ the backend `torch.addcdiv(a, b, c, value=v)` as `a + (b / c) * v` where ATen co
 other operands. (Its own eager backend then differs from eager too.) braze promises eager's
 bits, so those rewrites decline when the frame being traced is for a braze backend: the graph
 then holds the calls as the user wrote them. Traces for other backends are unchanged.
+
+Code also asks whether it is being compiled (`torch.compiler.is_compiling()`), and TorchDynamo
+answers yes while it traces: nn.TransformerEncoder then skips its nested-tensor path (with a
+padding mask its outputs differed from eager's by up to 3.4), nn.MultiheadAttention its fused
+kernel. In a trace for braze, torch.nn's modules get eager's answer, no: the graph holds what
+eager runs (a graph break where that cannot be traced, which runs it eagerly). Other code keeps
+TorchDynamo's answer: Hugging Face's, told no, takes paths TorchDynamo cannot trace at all.
 """
 
 from __future__ import annotations
@@ -30,6 +37,18 @@ from .capture import from_graph_module
 # tensor methods, and the special handlers of torch functions.
 _TENSOR_METHODS = ("method_add_", "method_addcmul_", "method_addcdiv_")
 _TORCH_FUNCTIONS = ("addcdiv", "_foreach_pow", "_foreach_lerp_")
+# Functions TorchDynamo folds to True while it traces, where eager's answer is False; and the
+# code that gets eager's answer in a trace for braze (see the module's docstring).
+_EAGER_ANSWER = tuple(
+    os.path.join(os.path.dirname(torch.__file__), "nn", "modules", f) for f in ("transformer.py", "activation.py")
+)
+_COMPILING = (
+    "torch.compiler.is_compiling",
+    "torch.compiler.is_dynamo_compiling",
+    "torch._utils.is_compiling",
+    "torch._dynamo.external_utils.is_compiling",
+    "torch.nn.modules.activation._is_make_fx_tracing",
+)
 
 
 # Where TorchDynamo's and torch.compile's wrappers of a backend keep it.
@@ -62,6 +81,27 @@ def _declining(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, tx, *args, **kwargs)
 
     return handler
+
+
+def _not_compiling(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original`, except that in torch.nn's modules traced for braze the call is eager's False."""
+    from torch._dynamo.variables import ConstantVariable
+
+    @functools.wraps(original)
+    def handler(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        if _for_braze(tx) and not args and not kwargs and tx.f_code.co_filename in _EAGER_ANSWER:
+            return ConstantVariable.create(False)
+        return original(self, tx, *args, **kwargs)
+
+    return handler
+
+
+def _resolve(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(sys.modules.get(module) or __import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
@@ -113,6 +153,10 @@ def prepare_dynamo() -> None:
         fn = getattr(torch, name, None)
         if fn in handlers:
             handlers[fn] = _declining(handlers[fn])
+    for path in _COMPILING:
+        fn = _resolve(path)
+        if fn in handlers:
+            handlers[fn] = _not_compiling(handlers[fn])
 
 
 def exact(backend: Callable[..., Any]) -> Callable[..., Any]:
