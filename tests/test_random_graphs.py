@@ -40,11 +40,23 @@ ACTS = {
     "rms_norm": lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6),  # Llama's, op by op
     "layer_norm": None,  # the layer's own nn.LayerNorm (braze's row kernel)
 }
+VOCAB = 50
+
+
+def _input(model: RandomMLP, batch: tuple[int, ...]) -> torch.Tensor:
+    """Token ids of shape `batch`, or floats of shape (*batch, width)."""
+    if model.embed is not None:
+        return torch.randint(0, VOCAB, batch)
+    return torch.randn(*batch, model.layers[0].in_features)
 
 
 class RandomMLP(nn.Module):
-    def __init__(self, widths: list[int], acts: list[str], bias: list[bool], residual: list[bool]) -> None:
+    def __init__(
+        self, widths: list[int], acts: list[str], bias: list[bool], residual: list[bool], embed: bool = False
+    ) -> None:
         super().__init__()
+        # token ids looked up in an embedding first (its rows: native copies), else float inputs
+        self.embed = nn.Embedding(VOCAB, widths[0]) if embed else None
         self.layers = nn.ModuleList(nn.Linear(a, b, bias=c) for a, b, c in zip(widths, widths[1:], bias))
         # a residual where the layer keeps the width (decided here: FX traces no shape test)
         self.acts, self.residual = acts, [r and a == b for r, a, b in zip(residual, widths, widths[1:])]
@@ -54,6 +66,8 @@ class RandomMLP(nn.Module):
             nn.init.normal_(norm.bias)
 
     def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
         for layer, norm, act, res in zip(self.layers, self.norms, self.acts, self.residual):
             y = norm(layer(x)) if act == "layer_norm" else ACTS[act](layer(x))
             x = y + x if res else y
@@ -69,7 +83,8 @@ def mlps(draw):
     residual = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
     batch = draw(st.sampled_from([(1,), (7,), (33,), (2, 5), (2, 3, 5)]))
     transpose = draw(st.booleans()) and len(batch) <= 2  # a matrix transposed, or a batch permuted
-    return RandomMLP(widths, acts, bias, residual).eval(), batch, transpose
+    embed = draw(st.booleans())
+    return RandomMLP(widths, acts, bias, residual, embed).eval(), batch, transpose
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,8 +93,10 @@ def test_random_mlps_match_eager(case, seed):
     model, batch, transpose = case
     torch.manual_seed(seed)
     width = model.layers[0].in_features
-    if not transpose:
-        x = torch.randn(*batch, width)
+    if model.embed is not None:  # ids: a transposed matrix of them where there are two dimensions
+        x = torch.randint(0, VOCAB, batch[::-1]).t() if transpose and len(batch) == 2 else _input(model, batch)
+    elif not transpose:
+        x = _input(model, batch)
     elif len(batch) == 1:
         x = torch.randn(width, *batch).t()  # a transposed matrix
     else:
@@ -94,10 +111,9 @@ def test_random_mlps_stay_exact_as_the_batch_changes(case, batches):
     which every later size runs (or compiles for itself where the family leaves it out)."""
     model, batch, _ = case
     compiled = braze.compile(model)
-    width = model.layers[0].in_features
     with torch.no_grad():
         for n in batches:
-            x = torch.randn(n, *batch[1:], width)
+            x = _input(model, (n, *batch[1:]))
             assert_same(compiled(x), model(x))
     # One program per size at most, plus the generic one: built at a size its family may leave out
     # (a batch of 1 that ATen lowers otherwise), which is then compiled for itself too.
