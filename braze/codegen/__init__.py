@@ -197,23 +197,10 @@ class ModuleBuilder:
         b = ll.IRBuilder(fn.append_basic_block("entry"))
         table = fn.args[0]
         for k in seg.kernels:
-            if k.op is Op.GEMM:
-                self._gemm(b, table, k)
-            elif k.op is Op.BMM:
-                self._bmm(b, table, k)
-            elif k.op is Op.CAT:
-                self._cat(b, table, k)
-            elif k.op is Op.VML:
-                self._vml(b, table, k)
-            elif k.op in (Op.LAYER_NORM, Op.SOFTMAX, Op.SUM):
-                self._rows(b, table, k)
-            elif k.op is Op.ACTIVATION:
-                self._activation(b, table, k)
-            elif k.op is Op.MAX_POOL:
-                self._max_pool(b, table, k)
-            elif k.op is Op.EMBEDDING:
-                self._embedding(b, table, k)
-            else:
+            emit = _EMITTERS.get(k.op)
+            if emit is not None:
+                getattr(self, emit)(b, table, k)
+            else:  # an elementwise loop (FUSED, or a single elementwise op)
                 self._loop_kernel(b, table, k.meta, self.slot_of(k.name), k.body, {})
         b.ret_void()
         return fn
@@ -516,6 +503,20 @@ class ModuleBuilder:
 
 
 CBLAS_COL_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 102, 111, 112
+
+# The ModuleBuilder method that writes each kind of kernel other than elementwise loops.
+_EMITTERS = {
+    Op.GEMM: "_gemm",
+    Op.BMM: "_bmm",
+    Op.CAT: "_cat",
+    Op.VML: "_vml",
+    Op.LAYER_NORM: "_rows",
+    Op.SOFTMAX: "_rows",
+    Op.SUM: "_rows",
+    Op.ACTIVATION: "_activation",
+    Op.MAX_POOL: "_max_pool",
+    Op.EMBEDDING: "_embedding",
+}
 
 
 def _dense(meta: TensorMeta) -> bool:
