@@ -42,13 +42,17 @@ def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
     assembly, and milliseconds per stage; for a compiled wrapper, also every program it has
     compiled so far and why. A model that torch.fx cannot trace (or a call with keywords) is
     captured as braze.compile would: by TorchDynamo, which runs it once on the inputs; each of
-    its graphs gets its sections, headed "graph i:".
+    its graphs gets its sections, headed "graph i:". A wrapper compiled with mode="fast" is
+    explained in fast mode.
     """
+    import dataclasses
+
     import torch
 
     from . import capture, debug
 
     target = fn.fn if isinstance(fn, CompiledFunction) else fn
+    mode = fn.mode if isinstance(fn, CompiledFunction) else "exact"
     t0 = time.perf_counter()
     try:
         if example_kwargs:
@@ -62,8 +66,10 @@ def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
     capture_ms = (time.perf_counter() - t0) * 1e3
     secs: dict[str, str] = {}
     programs = []
+    within = "faster kernels within the accuracy contract" if mode == "fast" else "eager's bits"
+    secs["mode"] = f"  {mode} ({within})"
     for i, (captured, args) in enumerate(graphs):
-        prog = _program(captured, args)
+        prog = _program(dataclasses.replace(captured, mode=mode), args)
         prog.timings.insert(0, ("capture", capture_ms if i == 0 else 0.0))
         head = f"graph {i}: " if len(graphs) > 1 else ""
         secs.update({head + name: body for name, body in debug.sections(prog, captured.graph).items()})

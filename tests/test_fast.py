@@ -105,6 +105,17 @@ def test_where_packing_loses_fast_mode_runs_exact_native_code(packing):
     assert _linears(compiled) == 0
 
 
+def test_explain_describes_a_fast_wrapper_in_fast_mode(packing):
+    packing(True)
+    model, x = _mlp(), torch.randn(9, 64)
+    fast_report = braze.explain(braze.compile(model, mode="fast"), x)
+    exact_report = braze.explain(braze.compile(model), x)
+    assert fast_report.sections["mode"].split()[0] == "fast"
+    assert "packed weight" in fast_report.sections["native vs ATen"]
+    assert exact_report.sections["mode"].split()[0] == "exact"
+    assert "packed weight" not in exact_report.sections["native vs ATen"]
+
+
 @torch.no_grad()
 def test_a_changed_or_replaced_weight_is_packed_again(packing):
     packing(True)
