@@ -13,6 +13,7 @@ eager has NaN, infinities where eager has them, with their sign.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +37,11 @@ class Accuracy:
 
     @property
     def max_ratio(self) -> float:
-        return self.max_error / max(self.eager_max_error, self.floor)
+        return _ratio(self.max_error, max(self.eager_max_error, self.floor))
 
     @property
     def rms_ratio(self) -> float:
-        return self.rms_error / max(self.eager_rms_error, self.floor)
+        return _ratio(self.rms_error, max(self.eager_rms_error, self.floor))
 
     @property
     def ok(self) -> bool:
@@ -53,6 +54,14 @@ class Accuracy:
             f"{MAX_FACTOR:g}x), rms {self.rms_error:.3g} ({self.rms_ratio:.2f}x, at most {RMS_FACTOR:g}x), "
             f"NaN and infinities {'as eager' if self.specials_match else 'NOT as eager'}"
         )
+
+
+def _ratio(error: float, allowed: float) -> float:
+    """error / allowed; where the reference is all zeros (no floor) and eager exact: 0 if the
+    error is 0 too, else infinite."""
+    if allowed > 0:
+        return error / allowed
+    return 0.0 if error == 0 else math.inf
 
 
 def check_accuracy(model: Any, *inputs: Any, mode: str = "fast", **kwargs: Any) -> Accuracy:

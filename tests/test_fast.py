@@ -164,6 +164,9 @@ def test_the_contract_sees_errors_and_special_values():
     inf = eager.clone()
     inf[5] = float("inf")
     assert measure(inf, inf, ref).ok and not measure(-inf, inf, ref).ok
+    zeros = torch.zeros(7, dtype=torch.float64)  # no scale for a floor, and eager exact
+    assert measure(zeros.float(), zeros.float(), zeros).ok
+    assert not measure(zeros.float() + 1e-30, zeros.float(), zeros).ok
 
 
 def _cnn() -> nn.Module:
