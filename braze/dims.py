@@ -15,6 +15,7 @@ own shapes instead.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -170,6 +171,8 @@ def fit(points: Sequence[Sequence[int]], samples: Sequence[int], grids: Sequence
     """The polynomial (degree <= DEGREE in each symbol, integer coefficients) through `samples`
     taken at the tensor grid `grids` (points lists them in itertools.product order); None if
     there is none."""
+    if all(v == samples[0] for v in samples):  # most integers of a graph do not vary: no algebra
+        return samples[0]
     table = dict(zip(map(tuple, points), samples))
     n = len(grids)
     coefs = _fit_axis(lambda rest: table[tuple(rest)], grids, n, ())
@@ -206,8 +209,19 @@ def _fit_axis(at: Any, grids: Sequence[Sequence[int]], n: int, fixed: tuple) -> 
 def _interpolate(xs: list[int], ys: list[Fraction]) -> list[Fraction]:
     """Coefficients (lowest power first) of the polynomial through (xs, ys) (Lagrange)."""
     coefs = [Fraction(0)] * len(xs)
-    for i, (xi, yi) in enumerate(zip(xs, ys)):
-        basis = [Fraction(1)]  # product of (x - xj) / (xi - xj), j != i
+    for basis, yi in zip(_lagrange(tuple(xs)), ys):
+        for k, c in enumerate(basis):
+            coefs[k] += c * yi
+    return coefs
+
+
+@functools.cache
+def _lagrange(xs: tuple[int, ...]) -> list[list[Fraction]]:
+    """Per point i, the coefficients of prod over j != i of (x - xj) / (xi - xj): the same few
+    grids serve every integer a generic lowering fits."""
+    out = []
+    for i, xi in enumerate(xs):
+        basis = [Fraction(1)]
         for j, xj in enumerate(xs):
             if j == i:
                 continue
@@ -216,6 +230,5 @@ def _interpolate(xs: list[int], ys: list[Fraction]) -> list[Fraction]:
             for k in range(len(basis) - 1):
                 basis[k] -= basis[k + 1] * xj
             basis = [c * scale for c in basis]
-        for k, c in enumerate(basis):
-            coefs[k] += c * yi
-    return coefs
+        out.append(basis)
+    return out
