@@ -269,6 +269,21 @@ def test_rsqrt_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
     assert "probe" in compiled.programs()[0].externs[0][1]
 
 
+def test_probe_references_do_not_use_atens_float64_sqrt(monkeypatch):
+    """ATen's float64 sqrt (MKL's vdSqrt) is not correctly rounded, and how many values it misses
+    varied between processes: references built on it made the rsqrt and batch_norm probes fail
+    now and then. With it a float32 ulp off, the probes still see what they check."""
+    real = torch.Tensor.sqrt
+    off = lambda t: real(t) * (1 + 2**-23) if t.dtype == torch.float64 else real(t)  # noqa: E731
+    monkeypatch.setattr(torch.Tensor, "sqrt", off)
+    jit._rsqrt_is_ieee.cache_clear(), jit._batch_norm_same.cache_clear()
+    try:
+        assert jit.rsqrt_is_ieee() and jit.batch_norm_same()
+    finally:
+        monkeypatch.undo()
+        jit._rsqrt_is_ieee.cache_clear(), jit._batch_norm_same.cache_clear()
+
+
 def test_rms_norm_written_by_hand_is_all_native():
     w = torch.randn(33)
 
