@@ -371,31 +371,33 @@ class ModuleBuilder:
         """Each index's row of the weight copied to the output's next row; an index outside
         [0, rows) sets the table's error word instead (the program raises eager's IndexError)."""
         index, weight = (self.slot_of(name) for name in k.inputs)
-        width = k.meta.shape[-1]
         n = math.prod(index.meta.shape)
         assert self.error_slot is not None
         with self._ranged(b, table, "embedding", k.meta.numel, n) as (kb, tbl, lo, hi):
+            # Sizes, strides and addresses computed once, before the loop over rows.
+            dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             base = kb.load(kb.gep(tbl, [I64(index.slot)], source_etype=PTR), typ=PTR)
             ity = I64 if index.meta.dtype == torch.int64 else I32
             src, dst = self.pointer(kb, tbl, weight), self.pointer(kb, tbl, self.slot_of(k.name))
-            row_bytes = kb.mul(self.dim(kb, tbl, width), I64(4))
+            width, rows, row_stride = dim(k.meta.shape[-1]), dim(k.attrs["rows"]), dim(weight.meta.stride[0])
+            row_bytes = kb.mul(width, I64(4))
+            layout = [(dim(size), dim(stride)) for size, stride in zip(index.meta.shape, index.meta.stride)]
+            offset = dim(index.meta.offset)
+            memcpy = self.declare("llvm.memcpy.p0.p0.i64", VOID, [PTR, PTR, I64, I1])
+            flag = kb.gep(tbl, [I64(self.error_slot)], source_etype=PTR)
             with counted_loop(kb, lo, hi) as r:
-                rest, at = r, self.dim(kb, tbl, index.meta.offset)
-                for d in reversed(range(len(index.meta.shape))):  # position r's element of index
-                    size, stride = (self.dim(kb, tbl, x) for x in (index.meta.shape[d], index.meta.stride[d]))
+                rest, at = r, offset
+                for d in reversed(range(len(layout))):  # position r's element of index
+                    size, stride = layout[d]
                     i = kb.urem(rest, size) if d else rest
                     at, rest = kb.add(at, kb.mul(i, stride)), kb.udiv(rest, size) if d else rest
                 i = kb.sext(kb.load(kb.gep(base, [at], source_etype=ity), typ=ity), I64)
-                with kb.if_else(kb.icmp_unsigned("<", i, self.dim(kb, tbl, k.attrs["rows"]))) as (ok, bad):
+                with kb.if_else(kb.icmp_unsigned("<", i, rows)) as (ok, bad):
                     with ok:
-                        row = kb.gep(src, [kb.mul(i, self.dim(kb, tbl, weight.meta.stride[0]))], source_etype=F32)
-                        out = kb.gep(dst, [kb.mul(r, self.dim(kb, tbl, width))], source_etype=F32)
-                        kb.call(
-                            self.declare("llvm.memcpy.p0.p0.i64", VOID, [PTR, PTR, I64, I1]),
-                            [out, row, row_bytes, I1(0)],
-                        )
+                        row = kb.gep(src, [kb.mul(i, row_stride)], source_etype=F32)
+                        out = kb.gep(dst, [kb.mul(r, width)], source_etype=F32)
+                        kb.call(memcpy, [out, row, row_bytes, I1(0)])
                     with bad:
-                        flag = kb.gep(tbl, [I64(self.error_slot)], source_etype=PTR)
                         kb.atomic_rmw("xchg", flag, I64(1), "monotonic")  # threads may race to it
 
     # --- GEMM --------------------------------------------------------------------------------
