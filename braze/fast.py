@@ -44,6 +44,19 @@ class Packed:
     relu, gelu none/tanh, swish, sigmoid) applied to its result in the same call."""
 
     post_op: tuple[str, str] = ("none", "")
+    _state: tuple[Any, ...] = ((),)  # (the stamps of the tensors packed from, what _pack made of them...)
+
+    def _packed(self, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What _pack made of `tensors`, made again if any of them is another tensor, moved, or
+        changed in place since."""
+        state = self._state  # one read: another thread may repack meanwhile
+        if not _same(state[0], _stamp(tensors)):
+            state = (_stamp(tensors), *self._pack(*tensors))
+            self._state = state
+        return state[1:]
+
+    def _pack(self, *tensors: Any) -> tuple[Any, ...]:
+        raise NotImplementedError
 
     def generic_key(self) -> tuple[Any, ...]:
         """What a program's result depends on, not the sizes the weight is packed for: lowerings at
@@ -63,19 +76,18 @@ class PackedLinear(Packed):
     def __init__(self, rows: int, transposed: bool = False) -> None:
         self.rows = rows  # the batch oneDNN packs for (any other works, maybe slower)
         self.transposed = transposed  # w given as [in, out] (addmm's, GPT-2's Conv1D), not linear's
-        self._state: tuple[Any, ...] = ((), None)  # (the weight's stamp, packed)
 
     def _config(self) -> tuple[Any, ...]:
         return (self.transposed,)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        state = self._state  # one read: another thread may repack meanwhile
-        if not _same(state[0], _stamp((w,))):
-            weight = w.detach().t() if self.transposed else w.detach()
-            state = (_stamp((w,)), torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows))
-            self._state = state
+        (packed,) = self._packed((w,))
         attr, algorithm = self.post_op
-        return torch.ops.mkldnn._linear_pointwise(x, state[1], b, attr, [], algorithm)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, attr, [], algorithm)
+
+    def _pack(self, w: torch.Tensor) -> tuple[torch.Tensor]:
+        weight = w.detach().t() if self.transposed else w.detach()
+        return (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows),)
 
 
 class PackedConv(Packed):
@@ -89,19 +101,15 @@ class PackedConv(Packed):
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.size = size  # the input size oneDNN packs for (others work, maybe slower)
         self.eps: float | None = None  # batch_norm's, once one is folded in
-        self._state: tuple[Any, ...] = ((), None, None)  # (stamps, packed weight, bias)
 
     def _config(self) -> tuple[Any, ...]:
         return (self.padding, self.stride, self.dilation, self.groups, self.eps)
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
-        state = self._state  # one read: another thread may repack meanwhile
-        if not _same(state[0], _stamp(params)):
-            state = (_stamp(params), *self._pack(*params))
-            self._state = state
+        w, b = self._packed(params)
         attr, algorithm = self.post_op
         args = (self.padding, self.stride, self.dilation, self.groups, attr, [], algorithm)
-        return torch.ops.mkldnn._convolution_pointwise(x, state[1], state[2], *args)
+        return torch.ops.mkldnn._convolution_pointwise(x, w, b, *args)
 
     def _pack(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:
         w = w.detach()

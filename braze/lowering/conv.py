@@ -43,9 +43,15 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         int(given.get("groups", 1)),
         list(x.meta.shape),
     )
-    real = packed(*lw.examples((x, w, b)))
     why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
-    sym = lw.extern(packed, (x, w, b), {}, "conv2d (oneDNN, packed weight)", why, to_meta(real))
+    return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
+
+
+def packed_extern(lw: Lowerer, packed: fast.Packed, args: tuple, label: str, why: str) -> Sym:
+    """An ATen call of `packed` on args; its example value is what it gives on lw's examples
+    (packing its weight there)."""
+    real = packed(*lw.examples(args))
+    sym = lw.extern(packed, args, {}, label, why, to_meta(real))
     lw.real[sym.name] = real
     return sym
 

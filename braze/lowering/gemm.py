@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .. import config, dims, fast, jit
 from ..ir import Op, TensorMeta, broadcast_shape, contiguous_strides
+from . import conv
 from .core import META_RULES, Lowerer, NotNative, Sym, is_float32, no_out, to_meta
 
 # --- GEMMs: mirror ATen's linear/addmm/mm argument choices, so sgemm_ gets eager's arguments ---
@@ -262,11 +263,8 @@ def _packs(lw: Lowerer, x: Sym, w: Sym, b: Any, transposed: bool) -> bool:
 def _packed(lw: Lowerer, x: Sym, w: Sym, b: Sym | None, transposed: bool) -> Sym:
     """An ATen call of oneDNN's GEMM on w packed once (fast.PackedLinear)."""
     packed = fast.PackedLinear(x.meta.numel() // max(x.meta.shape[-1], 1), transposed)
-    real = packed(*lw.examples((x, w, b)))
     why = "fast mode: oneDNN's GEMM on a packed weight, timed faster than MKL's at this shape"
-    sym = lw.extern(packed, (x, w, b), {}, "linear (oneDNN, packed weight)", why, to_meta(real))
-    lw.real[sym.name] = real
-    return sym
+    return conv.packed_extern(lw, packed, (x, w, b), "linear (oneDNN, packed weight)", why)
 
 
 def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
