@@ -193,7 +193,7 @@ class Program:
         self._param_layouts = [_param_layout(p) for p in self.params]
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
-        self.externs = lowered.externs
+        self.externs = [(n.attrs["label"], _why(n)) for n in graph.nodes if n.op is Op.EXTERN]
         self.timings = list(timings)
         self.scratch_views: list[str] = []
         self.segments = _segments(graph)
@@ -404,8 +404,29 @@ class Program:
         ns["_relaid"] = _relaid
         ns["_scratch_view"] = _scratch_view
         ns["_stale"] = self._went_stale
+        ns["_memo"] = {}  # the results of ATen calls that follow from the sizes, per sizes
+        ns["_remember"] = _remember
         ns["INDEX_ERROR"] = entry.INDEX_ERROR
         return ns
+
+
+def _why(n: Node) -> str:
+    kept = "; made once per sizes and kept: its result follows from the sizes alone"
+    return n.attrs["why"] + (kept if n.attrs.get("memo") else "")
+
+
+MEMO_ENTRIES = 8  # sizes whose memoized results a program keeps (the oldest go first)
+MEMO_BYTES = 16 << 20  # results larger than this together are made at every call
+
+
+def _remember(memo: dict, key: tuple, values: tuple | None) -> tuple | None:
+    """Keep `values` (a program's memoized ATen results at sizes `key`; None: one came back laid
+    out otherwise than when compiled) if they are small enough."""
+    if values is not None and sum(v.nbytes for v in values if isinstance(v, torch.Tensor)) <= MEMO_BYTES:
+        memo[key] = values
+        while len(memo) > MEMO_ENTRIES:
+            memo.pop(next(iter(memo)), None)  # another thread may be at it too
+    return values
 
 
 def _param_layout(p: torch.Tensor) -> tuple:
@@ -521,14 +542,40 @@ class _RunnerWriter:
         for name in [*prog.param_names, *(n.name for n in g.nodes if n.op is Op.INPUT)]:
             if name in self.reads:
                 self.lines.append(f"    t[{slot[name]}] = {self.base[name][0]}.data_ptr()")
+        memo = [n for n in g.nodes if n.attrs.get("memo")]
+        memo_source = self._memoized(memo) if memo else ""
         seg_of = {s.kernels[-1].name: i for i, s in enumerate(prog.segments)}
         for n in g.nodes:
             if n.name in seg_of:
                 self._segment(seg_of[n.name])
-            elif n.op is Op.EXTERN:
+            elif n.op is Op.EXTERN and not n.attrs.get("memo"):
                 self._extern(n)
         self.lines.append(f"    return {self._outputs()}")
-        return "\n".join([f"def body({self.args}):", *_free_dead(self.lines)]) + "\n"
+        return memo_source + "\n".join([f"def body({self.args}):", *_free_dead(self.lines)]) + "\n"
+
+    def _memoized(self, memo: list[Node]) -> str:
+        """The source of `_memo_fn`, which makes the memoized ATen results (passes.memoize) at the
+        sizes it is given; the body takes them from `_memo`, or from it and keeps them."""
+        syms = "".join(f"s{j}, " for j in range(len(self.prog.family.lo))) if self.prog.family else ""
+        outer, expr, base = self.lines, dict(self.expr), dict(self.base)
+        self.lines = []
+        for n in memo:
+            self._extern(n, stale="None")
+        owner, g = self.prog.layout.owner, self.prog.graph
+        used = {owner[v] for n in g.nodes if n.op is not Op.VIEW and not n.attrs.get("memo") for v in n.value_inputs()}
+        memo = [n for n in memo if n.name in used or n.name in self.reads]  # what the body reads
+        names = "".join(f"{n.name}, " for n in memo)
+        source = "\n".join([f"def _memo_fn({syms}):", *_free_dead([*self.lines, f"    return ({names})"])]) + "\n"
+        self.lines, self.expr, self.base = outer, expr, base
+        key = f"({syms})"
+        self.lines.append(f"    _m = _memo[{key}] if {key} in _memo else _remember(_memo, {key}, _memo_fn({syms}))")
+        self.lines.append(f"    if _m is None: return _stale({self.args})")
+        if names:  # (none: results nobody reads, kept for the errors they would raise)
+            self.lines.append(f"    {names}= _m")
+        for n in memo:
+            self._bind(n)
+            self._to_table(n)
+        return source
 
     def _symbols(self) -> None:
         """A generic program's symbols, read from the arguments, into s0, s1, ... and the table;
@@ -576,22 +623,33 @@ class _RunnerWriter:
             return f"({x!r})"
         return self.const(x)
 
-    def _extern(self, n: Node) -> None:
+    def _extern(self, n: Node, stale: str = "") -> None:
+        """The ATen call; if its result's layout was relied on, a check (failing, the line returns
+        `stale`: by default what the call gives once compiled again)."""
         fn = self.const(n.attrs["fn"])
         args = ", ".join(self._py(a) for a in n.attrs["args"])
         kwargs = ", ".join(f"{k}={self._py(v)}" for k, v in n.attrs["kwargs"].items())
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
         self.lines.append(f"    {n.name} = {call}")
-        if n.meta is not None and n.attrs["store"] == "extern":
-            self._own(n.name, n.name, n.meta)
-        else:
-            self.expr[n.name] = n.name
+        self._bind(n)
         if n.meta is not None and (n.name in self.reads or n.name in self.lowered.layout_read):
             # compiled for the layout this call returned then (its result's shape may depend on
             # values: nonzero, repeat_interleave)
             m = n.meta
             dtype = self.const(m.dtype)
-            self.lines.append(f"    if _relaid({n.name}, {m.shape}, {m.stride}, {dtype}): return _stale({self.args})")
+            stale = stale or f"_stale({self.args})"
+            self.lines.append(f"    if _relaid({n.name}, {m.shape}, {m.stride}, {dtype}): return {stale}")
+        if not n.attrs.get("memo"):  # a memoized one's goes in where the body has it
+            self._to_table(n)
+
+    def _bind(self, n: Node) -> None:
+        """An ATen result named in the source: views are made from it (when it owns its memory)."""
+        if n.meta is not None and n.attrs["store"] == "extern":
+            self._own(n.name, n.name, n.meta)
+        else:
+            self.expr[n.name] = n.name
+
+    def _to_table(self, n: Node) -> None:
         if n.name in self.reads:
             self.lines.append(f"    t[{self.prog.layout.slot[n.name]}] = {n.name}.data_ptr()")
 

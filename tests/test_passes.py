@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import braze
 from braze import capture
 from braze.ir import Op
 from braze.lowering import lower
@@ -30,6 +31,32 @@ def test_dce_keeps_externs_and_drops_dead_pure_nodes():
 
     out = dce(lowered(f, torch.randn(4)).graph)
     assert out.count(Op.MUL) == 0 and out.count(Op.EXTERN) == 1 and out.count(Op.ADD) == 1
+
+
+def test_dce_drops_dead_tensor_factories_of_constants_only():
+    def f(x):
+        # Llama's key/value cache makes torch.tensor([]) per layer that a forward without it never
+        # reads: dropped, as are other factories of constants. One of a size that follows the
+        # call's stays (in a generic program): at sizes eager rejects, it must raise eager's error.
+        torch.tensor([]), torch.full((2,), 1.5), torch.rand(3), torch.zeros(x.shape[0] - 2)
+        return x + 1
+
+    graphs = []  # TorchDynamo's graph (FX runs calls of constants while it traces)
+
+    def collect(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.randn(4)
+    torch.compile(f, backend=collect, dynamic=False)(x)
+    graph = lower(capture.from_graph_module(graphs[0]), (x,)).graph
+    assert graph.count(Op.EXTERN) == 4
+    assert [n.attrs["label"] for n in dce(graph).nodes if n.op is Op.EXTERN] == ["torch.rand"]
+    compiled = braze.compile(f, dynamic=True)
+    with torch.no_grad():
+        compiled(x)
+    (prog,) = compiled.programs()
+    assert prog.family is not None and [label for label, _ in prog.externs] == ["torch.rand", "torch.zeros"]
 
 
 def test_chain_fuses_into_one_loop_but_shared_values_do_not():

@@ -89,7 +89,6 @@ def fuse_post_op(lw: Lowerer, at: int, attr: str, algorithm: str = "") -> Sym:
 def _replace(lw: Lowerer, at: int, args: tuple, more: str) -> Sym:
     node = lw.nodes[at]
     why = f"{node.attrs['why']} {more}"
-    lw.externs[lw.extern_of[node.name]] = (node.attrs["label"], why)
     inputs = tuple(dict.fromkeys(a.name for a in args if isinstance(a, Sym)))
     # last: after the nodes of its new operands (nothing read its result yet)
     del lw.nodes[at]

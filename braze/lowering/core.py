@@ -50,7 +50,6 @@ class Lowered:
     graph: Graph
     out_spec: pytree.TreeSpec
     out_leaves: list[Any]  # per output leaf: an IR value name (str) or a constant ("const", x)
-    externs: list[tuple[str, str]]  # (op, why) for every EXTERN node
     n_args: int  # positional arguments the program takes
     reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
     layout_read: frozenset[str] = frozenset()  # see Lowerer.layout_read
@@ -95,8 +94,6 @@ class Lowerer:
         # size query was folded): an EXTERN result among them is checked at run time.
         self.layout_read: set[str] = set()
         self.ops: dict[str, Op] = {}
-        self.externs: list[tuple[str, str]] = []
-        self.extern_of: dict[str, int] = {}  # an EXTERN node's entry in externs
         self.reads_training: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.real: dict[str, Any] = {}  # example value of each Sym (see example())
@@ -253,6 +250,8 @@ class Lowerer:
             self.real.setdefault(result.name, out_real)
         for m in mutated:
             self._functionalize(m, result, label)
+        if mutated and fresh and self.ops[result.name] is Op.EXTERN:  # what passes.memoize must know
+            self.nodes[-1].attrs["mutates"] = tuple(m.name for m in mutated)
         # Only an EXTERN emitted here can alias: a lowering may also hand back an existing value
         # (contiguous() of a contiguous tensor, dropout in eval), which keeps its own owner.
         if aliased is not None and fresh and self.ops[result.name] is Op.EXTERN:
@@ -290,11 +289,8 @@ class Lowerer:
 
     def extern(self, fn: Any, args: tuple, kwargs: dict, label: str, why: str, out: Any) -> Sym:
         """A call of fn(*args, **kwargs) made at run time, as an EXTERN node; `why` for explain."""
-        self.externs.append((label, why))
         inputs = tuple(dict.fromkeys(s.name for s in leaves((args, kwargs)) if isinstance(s, Sym)))
-        sym = self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
-        self.extern_of[sym.name] = len(self.externs) - 1
-        return sym
+        return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
 
     def _layout_read(self, leaves: list[Any]) -> None:
         for v in leaves:
@@ -318,7 +314,7 @@ class Lowerer:
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
         reads = frozenset(self.layout_read)
-        return Lowered(graph, spec, out_leaves, self.externs, n_args, tuple(self.reads_training), reads)
+        return Lowered(graph, spec, out_leaves, n_args, tuple(self.reads_training), reads)
 
 
 @contextlib.contextmanager

@@ -231,7 +231,7 @@ def _resized(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
     return out.contiguous()
 
 
-_IGNORED = frozenset({"label", "why", "externs"})  # text for people, which may quote sizes
+_IGNORED = frozenset({"label", "why"})  # text for people, which may quote sizes
 
 
 def _walk(x: Any, on_int: Callable[[int], Any], keyed: bool) -> Any:

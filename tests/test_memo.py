@@ -1,0 +1,92 @@
+"""ATen results that follow from the call's sizes alone (causal masks, position ids) are made once
+per sizes and kept by the program (passes.memoize, runtime._remember)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import braze
+from braze import runtime
+
+from .helpers import assert_same
+
+
+class Causal(nn.Module):
+    """Attention under a causal mask built from the sequence length, as Hugging Face's decoders
+    build theirs; `keep` (a keyword: TorchDynamo captures) also returns the mask."""
+
+    def forward(self, q, keep=False):
+        n = q.shape[-2]
+        pos = torch.arange(n)
+        mask = pos[None, :] <= pos[:, None]
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return (out, mask) if keep else out
+
+
+def _programs(compiled) -> list:
+    return compiled.programs()
+
+
+def _memoized(prog) -> list[str]:
+    return [n.attrs["label"] for n in prog.graph.nodes if n.attrs.get("memo")]
+
+
+def test_a_causal_mask_is_made_once_per_sizes():
+    model, compiled = Causal(), braze.compile(Causal())
+    with torch.no_grad():
+        for n in (5, 9, 5, 33, 9):
+            q = torch.randn(2, 3, n, 8)
+            assert_same(compiled(q), model(q))
+    for prog in _programs(compiled):
+        assert _memoized(prog) == ["torch.arange", "_operator.le"]  # (the indexing: native views)
+        assert "made once per sizes" in " ".join(why for _, why in prog.externs)
+    sizes = [key for p in _programs(compiled) for key in p._body_globals["_memo"]]
+    generic = [p for p in _programs(compiled) if p.family is not None]
+    assert generic and len(sizes) == len(set(sizes)) and len(sizes) <= 3  # one entry per sizes seen
+
+
+def test_the_kept_results_are_bounded(monkeypatch):
+    monkeypatch.setattr(runtime, "MEMO_ENTRIES", 2)
+    compiled = braze.compile(Causal(), dynamic=True)
+    with torch.no_grad():
+        for n in range(3, 9):
+            compiled(torch.randn(1, 1, n, 4))
+    (prog,) = _programs(compiled)
+    assert len(prog._body_globals["_memo"]) == 2
+    monkeypatch.setattr(runtime, "MEMO_BYTES", 0)  # too large: made at every call, kept nowhere
+    prog._body_globals["_memo"].clear()
+    with torch.no_grad():
+        compiled(torch.randn(1, 1, 5, 4))
+    assert not prog._body_globals["_memo"]
+
+
+def test_results_returned_changed_in_place_or_random_are_made_every_call():
+    def changed(q):
+        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+        mask.logical_not_()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=~mask)
+
+    def random(q):
+        noise = torch.rand(q.shape[-2]) < 2  # always True, but drawn: the generator advances
+        return q * noise[:, None]
+
+    model = Causal()
+    compiled = braze.compile(model)
+    q = torch.randn(2, 3, 6, 8)
+    with torch.no_grad():
+        first = compiled(q, keep=True)
+        first[1].fill_(False)  # a caller may change what it is given
+        assert_same(compiled(q, keep=True), model(q, keep=True))
+        for fn in (changed, random):
+            c = braze.compile(fn)
+            c(q)  # compiled
+            for _ in range(2):
+                torch.manual_seed(1)
+                want, after_eager = fn(q), torch.get_rng_state()
+                torch.manual_seed(1)
+                assert_same(c(q), want)
+                assert torch.equal(torch.get_rng_state(), after_eager)
+            # the mask changed in place (and what reads it) is made anew; the ones it came from is kept
+            assert [_memoized(p) for p in _programs(c)] == [["torch.ones"] if fn is changed else []]
