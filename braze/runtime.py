@@ -658,4 +658,6 @@ class _RunnerWriter:
         spec = self.lowered.out_spec
         if spec.is_leaf():
             return leaves[0]
+        if spec.type is tuple and all(c.is_leaf() for c in spec.children()):  # TorchDynamo's graphs
+            return "(" + "".join(f"{v}, " for v in leaves) + ")"
         return f"_unflatten([{', '.join(leaves)}], _spec)"
