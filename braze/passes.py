@@ -7,12 +7,10 @@ product feature) and, in tests or debug mode, runs ir.verify after every pass.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch.utils import _pytree as pytree
 
 from . import config, dims
@@ -53,36 +51,11 @@ def run_passes(graph: Graph, passes: Sequence[Pass] | None = None, check: bool |
     return graph, log
 
 
-# ATen calls that only make their result: no input changed (lowering records `mutates` where
-# one is), no random numbers drawn, the same values from the same arguments. `empty` is not
-# among them: its contents vary.
-_FACTORIES = frozenset({torch.tensor, torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace})
-_OPERATORS = "add sub mul truediv floordiv mod neg invert and_ or_ xor eq ne lt le gt ge getitem"
-_FUNCTIONS = "diff cumsum where tril triu eq ne lt le gt ge logical_and logical_or logical_not"
-_METHODS = (
-    "cumsum new_ones new_zeros new_full to float long int bool expand unsqueeze view reshape masked_fill tril triu"
-)
-_METHODS += " eq ne lt le gt ge logical_and logical_or logical_not"
-_DETERMINISTIC = (
-    _FACTORIES
-    | {getattr(operator, f) for f in _OPERATORS.split()}
-    | {getattr(torch, f) for f in _FUNCTIONS.split()}
-    | {getattr(torch.Tensor, f) for f in _METHODS.split()}
-)
-
-
-def _among(fn: object, calls: frozenset | set) -> bool:
-    try:
-        return fn in calls
-    except TypeError:  # an unhashable callable (fast mode's packed calls define __eq__)
-        return False
-
-
 def _constant(n: Node) -> bool:
     """A tensor factory of constants (no size of the call among them): it ran when lowering, so it
     runs at every call, and it makes nothing but its result."""
     args = pytree.tree_leaves((n.attrs["args"], n.attrs["kwargs"]))
-    return _among(n.attrs["fn"], _FACTORIES) and not n.inputs and not any(isinstance(v, Expr) for v in args)
+    return n.attrs.get("factory", False) and not any(isinstance(v, Expr) for v in args)
 
 
 def dce(graph: Graph) -> Graph:
@@ -256,10 +229,11 @@ def _holds(size: Dim, need: Dim) -> bool:
 
 
 def memoize(graph: Graph) -> Graph:
-    """Mark attrs['memo'] on the ATen calls whose results follow from the call's sizes alone:
-    deterministic calls (_DETERMINISTIC) of sizes, constants and such results (Hugging Face's
-    causal masks and position ids). The program keeps them per sizes instead of making them at
-    every call (runtime.py); none may be changed in place, returned, or a view of what is."""
+    """Mark attrs['memo'] on the ATen calls whose results follow from the call's sizes alone
+    (lowering marks them `sizes`: deterministic calls of sizes, constants and such results, as
+    Hugging Face's causal masks, position ids and T5's position buckets). The program keeps them
+    per sizes instead of making them at every call (runtime.py); none may be changed in place,
+    returned, or a view of what is."""
     by_name = graph.node_map()
     owner = {n.name: _owner(n, by_name) for n in graph.nodes}
     barred = {owner[o] for o in graph.outputs}
@@ -269,7 +243,7 @@ def memoize(graph: Graph) -> Graph:
         known = all(v in memo for v in n.value_inputs())
         if n.op is Op.VIEW and known:
             memo.add(n.name)
-        elif n.op is Op.EXTERN and known and _among(n.attrs["fn"], _DETERMINISTIC) and owner[n.name] not in barred:
+        elif n.op is Op.EXTERN and known and n.attrs.get("sizes") and owner[n.name] not in barred:
             memo.add(n.name)
     nodes = (
         dataclasses.replace(n, attrs={**n.attrs, "memo": True}) if n.op is Op.EXTERN and n.name in memo else n

@@ -90,3 +90,36 @@ def test_results_returned_changed_in_place_or_random_are_made_every_call():
                 assert torch.equal(torch.get_rng_state(), after_eager)
             # the mask changed in place (and what reads it) is made anew; the ones it came from is kept
             assert [_memoized(p) for p in _programs(c)] == [["torch.ones"] if fn is changed else []]
+
+
+class Buckets(nn.Module):
+    """T5's relative position buckets (abs, log, min, where and an in-place add on the sizes),
+    then a lookup of the model's bias table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(32, 2)
+
+    def forward(self, x):
+        n = x.shape[1]
+        rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+        buckets = (rel > 0).to(torch.long) * 16
+        rel = torch.abs(rel)
+        large = 8 + (torch.log(rel.float() / 8) / 2.77 * 8).to(torch.long)
+        large = torch.min(large, torch.full_like(large, 15))
+        buckets += torch.where(rel < 8, rel, large)
+        return x + self.bias(buckets).permute(2, 0, 1).sum(0)
+
+
+def test_position_buckets_follow_from_the_sizes_even_where_braze_has_kernels():
+    model = Buckets().eval()
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        for n in (7, 40, 7, 129):
+            x = torch.randn(3, n, n)
+            assert_same(compiled(x), model(x))
+    for prog in _programs(compiled):
+        # abs, log, the comparisons, min and where: ATen calls, so that they are kept; only the sum
+        # over the looked-up table (a parameter's rows) is made at every call
+        assert {"torch.abs", "torch.log", "torch.min", "torch.where"} <= set(_memoized(prog))
+        assert [label for label, why in prog.externs if "kept" not in why] == [".sum"]

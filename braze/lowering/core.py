@@ -7,6 +7,7 @@ node that calls the same torch function at run time."""
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,7 @@ class Lowerer:
         self.captured = captured
         self.fast = captured.mode == "fast"  # rows may pick faster kernels than eager's (fast.py)
         self.users: dict[str, int] = {}  # how many FX nodes use each value (fast mode's fusions)
+        self.sizes_only: set[str] = set()  # values that follow from the call's sizes alone (DETERMINISTIC)
         self.nodes: list[Node] = []
         self.inputs: list[str] = []
         self.param_syms: dict[int, Sym] = {}
@@ -244,8 +246,13 @@ class Lowerer:
                 return out  # sizes, dtypes, ...: constants of this specialisation
             # .item(), .tolist(), arithmetic on their results: values of the call, read each call
         emitted = len(self.nodes)
-        result = self._native_or_extern(fn, args, kwargs, key, label, out)
+        sizes = _among(fn, DETERMINISTIC) and all(v.name in self.sizes_only for v in _syms(args, kwargs))
+        result = self._native_or_extern(fn, args, kwargs, key, label, out, sizes)
         fresh = isinstance(result, Sym) and len(self.nodes) > emitted and self.nodes[-1].name == result.name
+        if sizes and fresh and self.nodes[-1].op in (Op.EXTERN, Op.VIEW):
+            self.sizes_only.add(result.name)
+            if self.nodes[-1].op is Op.EXTERN:  # what dce and memoize go by
+                self.nodes[-1].attrs.update(sizes=True, factory=_among(fn, FACTORIES))
         if isinstance(result, Sym) and out_real is not None:
             self.real.setdefault(result.name, out_real)
         for m in mutated:
@@ -275,8 +282,10 @@ class Lowerer:
         mutated = [s for s in syms if s.name in versions and real[s.name]._version != versions[s.name]]
         return out_real, mutated, _aliased(out_real, real)
 
-    def _native_or_extern(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str, out: Any) -> Any:
+    def _native_or_extern(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str, out: Any, sizes: bool) -> Any:
         why = "no native lowering"
+        if sizes and not _among(fn, _VIEWS):  # made once per sizes (passes.memoize), not per call
+            return self.extern(fn, args, kwargs, label, "its inputs follow from the sizes alone", out)
         if key in LOWERINGS and not config.disable_native:
             try:
                 result = LOWERINGS[key](self, fn, args, kwargs, out)
@@ -395,6 +404,37 @@ def map_tree(fn: Callable[[Any], Any], tree: Any) -> Any:
     """pytree.tree_map, also inside slices (`x[: n]` with a traced n)."""
     within = lambda v: slice(fn(v.start), fn(v.stop), fn(v.step)) if isinstance(v, slice) else fn(v)  # noqa: E731
     return pytree.tree_map(within, tree, is_leaf=_is_size)
+
+
+# Calls that only make their result: no input changed (call() records `mutates` where one is), no
+# random numbers drawn, the same values from the same arguments (`empty` is not among them: its
+# contents vary). dce drops an unused factory of constants; passes.memoize keeps the results of
+# these calls of sizes, constants and such results per sizes, so they are ATen calls there (views
+# aside) even where braze has a native kernel.
+FACTORIES = frozenset({torch.tensor, torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace})
+_OPERATORS = "add sub mul truediv floordiv mod neg invert and_ or_ xor eq ne lt le gt ge getitem"
+_FUNCTIONS = "diff cumsum where tril triu eq ne lt le gt ge logical_and logical_or logical_not abs log"
+_FUNCTIONS += " min max maximum minimum full_like zeros_like ones_like"
+_METHODS = "cumsum new_ones new_zeros new_full to float long int bool masked_fill tril triu eq ne lt le gt ge"
+_METHODS += " logical_and logical_or logical_not abs log expand unsqueeze view reshape"
+DETERMINISTIC = (
+    FACTORIES
+    | {getattr(operator, f) for f in _OPERATORS.split()}
+    | {getattr(torch, f) for f in _FUNCTIONS.split()}
+    | {getattr(torch.Tensor, f) for f in _METHODS.split()}
+)
+_VIEWS = frozenset({operator.getitem, *(getattr(torch.Tensor, f) for f in "expand unsqueeze view reshape".split())})
+
+
+def _among(fn: object, calls: frozenset) -> bool:
+    try:
+        return fn in calls
+    except TypeError:  # an unhashable callable
+        return False
+
+
+def _syms(args: tuple, kwargs: dict) -> list[Sym]:
+    return [v for v in leaves((args, kwargs)) if isinstance(v, Sym)]
 
 
 def leaves(tree: Any) -> list[Any]:
