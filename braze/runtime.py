@@ -568,7 +568,8 @@ class _RunnerWriter:
         source = "\n".join([f"def _memo_fn({syms}):", *_free_dead([*self.lines, f"    return ({names})"])]) + "\n"
         self.lines, self.expr, self.base = outer, expr, base
         key = f"({syms})"
-        self.lines.append(f"    _m = _memo[{key}] if {key} in _memo else _remember(_memo, {key}, _memo_fn({syms}))")
+        self.lines.append(f"    _m = _memo.get({key}, _memo)")  # (one lookup: other threads may drop the entry)
+        self.lines.append(f"    if _m is _memo: _m = _remember(_memo, {key}, _memo_fn({syms}))")
         self.lines.append(f"    if _m is None: return _stale({self.args})")
         if names:  # (none: results nobody reads, kept for the errors they would raise)
             self.lines.append(f"    {names}= _m")

@@ -3,6 +3,8 @@ per sizes and kept by the program (passes.memoize, runtime._remember)."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -123,3 +125,28 @@ def test_position_buckets_follow_from_the_sizes_even_where_braze_has_kernels():
         # over the looked-up table (a parameter's rows) is made at every call
         assert {"torch.abs", "torch.log", "torch.min", "torch.where"} <= set(_memoized(prog))
         assert [label for label, why in prog.externs if "kept" not in why] == [".sum"]
+
+
+def test_threads_share_and_drop_kept_results(monkeypatch):
+    monkeypatch.setattr(runtime, "MEMO_ENTRIES", 2)  # entries dropped while other threads read
+    model = Causal()
+    compiled = braze.compile(model, dynamic=True)
+    inputs = [torch.randn(1, 2, n, 4) for n in range(3, 11)]
+    with torch.no_grad():
+        want = [model(q) for q in inputs]
+        compiled(inputs[0])
+    failures = []
+
+    def work(k: int) -> None:
+        with torch.no_grad():
+            for i in range(60):
+                j = (i * 3 + k) % len(inputs)
+                if not torch.equal(compiled(inputs[j]), want[j]):
+                    failures.append(j)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and len(compiled.programs()) == 1
