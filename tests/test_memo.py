@@ -27,10 +27,6 @@ class Causal(nn.Module):
         return (out, mask) if keep else out
 
 
-def _programs(compiled) -> list:
-    return compiled.programs()
-
-
 def _memoized(prog) -> list[str]:
     return [n.attrs["label"] for n in prog.graph.nodes if n.attrs.get("memo")]
 
@@ -41,11 +37,11 @@ def test_a_causal_mask_is_made_once_per_sizes():
         for n in (5, 9, 5, 33, 9):
             q = torch.randn(2, 3, n, 8)
             assert_same(compiled(q), model(q))
-    for prog in _programs(compiled):
+    for prog in compiled.programs():
         assert _memoized(prog) == ["torch.arange", "_operator.le"]  # (the indexing: native views)
         assert "made once per sizes" in " ".join(why for _, why in prog.externs)
-    sizes = [key for p in _programs(compiled) for key in p._body_globals["_memo"]]
-    generic = [p for p in _programs(compiled) if p.family is not None]
+    sizes = [key for p in compiled.programs() for key in p._body_globals["_memo"]]
+    generic = [p for p in compiled.programs() if p.family is not None]
     assert generic and len(sizes) == len(set(sizes)) and len(sizes) <= 3  # one entry per sizes seen
 
 
@@ -55,7 +51,7 @@ def test_the_kept_results_are_bounded(monkeypatch):
     with torch.no_grad():
         for n in range(3, 9):
             compiled(torch.randn(1, 1, n, 4))
-    (prog,) = _programs(compiled)
+    (prog,) = compiled.programs()
     assert len(prog._body_globals["_memo"]) == 2
     monkeypatch.setattr(runtime, "MEMO_BYTES", 0)  # too large: made at every call, kept nowhere
     prog._body_globals["_memo"].clear()
@@ -91,7 +87,7 @@ def test_results_returned_changed_in_place_or_random_are_made_every_call():
                 assert_same(c(q), want)
                 assert torch.equal(torch.get_rng_state(), after_eager)
             # the mask changed in place (and what reads it) is made anew; the ones it came from is kept
-            assert [_memoized(p) for p in _programs(c)] == [["torch.ones"] if fn is changed else []]
+            assert [_memoized(p) for p in c.programs()] == [["torch.ones"] if fn is changed else []]
 
 
 class Buckets(nn.Module):
@@ -120,7 +116,7 @@ def test_position_buckets_follow_from_the_sizes_even_where_braze_has_kernels():
         for n in (7, 40, 7, 129):
             x = torch.randn(3, n, n)
             assert_same(compiled(x), model(x))
-    for prog in _programs(compiled):
+    for prog in compiled.programs():
         # abs, log, the comparisons, min and where: ATen calls, so that they are kept; only the sum
         # over the looked-up table (a parameter's rows) is made at every call
         assert {"torch.abs", "torch.log", "torch.min", "torch.where"} <= set(_memoized(prog))
