@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -146,3 +147,19 @@ def test_threads_share_and_drop_kept_results(monkeypatch):
     for t in threads:
         t.join()
     assert not failures and len(compiled.programs()) == 1
+
+
+def test_gpt2_keeps_its_mask_and_position_calls():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64, use_cache=False)
+    model = transformers.GPT2Model(config).eval()
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        for shape in ((2, 9), (3, 17), (2, 9)):
+            ids = torch.randint(0, 100, shape)
+            assert_same(compiled(ids).last_hidden_state, model(ids).last_hidden_state)
+    calls = [(label, why) for p in compiled.programs() for label, why in p.externs]
+    made = {label for label, why in calls if "kept" not in why}
+    assert made == {"torch._C._nn.scaled_dot_product_attention"}  # all else: once per sizes
+    assert sum("kept" in why for _, why in calls) >= 10
