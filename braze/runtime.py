@@ -563,8 +563,8 @@ class _RunnerWriter:
             self._extern(n, stale="None")
         owner, g = self.prog.layout.owner, self.prog.graph
         used = {owner[v] for n in g.nodes if n.op is not Op.VIEW and not n.attrs.get("memo") for v in n.value_inputs()}
-        memo = [n for n in memo if n.name in used or n.name in self.reads]  # what the body reads
-        names = "".join(f"{n.name}, " for n in memo)
+        read = [n for n in memo if n.name in used or n.name in self.reads]  # what the body reads
+        names = "".join(f"{n.name}, " for n in read)
         source = "\n".join([f"def _memo_fn({syms}):", *_free_dead([*self.lines, f"    return ({names})"])]) + "\n"
         self.lines, self.expr, self.base = outer, expr, base
         key = f"({syms})"
@@ -573,7 +573,7 @@ class _RunnerWriter:
         self.lines.append(f"    if _m is None: return _stale({self.args})")
         if names:  # (none: results nobody reads, kept for the errors they would raise)
             self.lines.append(f"    {names}= _m")
-        for n in memo:
+        for n in read:
             self._bind(n)
             self._to_table(n)
         return source
