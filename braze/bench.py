@@ -1,4 +1,5 @@
-"""`braze bench`: braze beside eager, Inductor, TorchScript and ONNX Runtime, on one machine, in one run.
+"""`braze bench`: braze beside eager, Inductor (default and freezing), TorchScript, ONNX Runtime and
+OpenVINO, on one machine, in one run.
 
 Per model x backend it measures
   first_call_s       wrapping + first output, in a fresh subprocess with an empty compile cache
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,11 @@ from . import timing
 from .accuracy import measure
 
 # --- models -------------------------------------------------------------------------------------
+
+# PyPI's torchvision is a CUDA build whose C ops do not load beside the CPU torch. Its model code
+# needs none of them, but its import registers fake kernels for them and fails; so does
+# transformers' import, which imports torchvision where it finds it. Skip those registrations.
+sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
 
 def _lesson() -> tuple[torch.nn.Module, tuple]:
@@ -99,6 +106,35 @@ def _gpt2_tiny() -> tuple[torch.nn.Module, tuple]:
     return GPT2Model(cfg), (torch.randint(0, 1000, (2, 128)),)
 
 
+# Real models (`--models real`): what users run, built from configs with random weights. Text
+# models take one sequence of 128 tokens, vision models one 224 x 224 image.
+
+
+def _hf(config: str, model: str, **kw: Any) -> tuple[torch.nn.Module, tuple]:
+    import transformers
+
+    cfg = getattr(transformers, config)(**kw)
+    if model == "ViTModel":
+        return transformers.ViTModel(cfg), (torch.randn(1, 3, 224, 224),)
+    return getattr(transformers, model)(cfg), (torch.randint(0, cfg.vocab_size, (1, 128)),)
+
+
+_GPT2 = {"bos_token_id": 0, "eos_token_id": 0, "use_cache": False}  # as gpt2-tiny's
+_TEXT = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
+
+
+def _torchvision(name: str) -> tuple[torch.nn.Module, tuple]:
+    import torchvision
+
+    return getattr(torchvision.models, name)(), (torch.randn(1, 3, 224, 224),)
+
+
+def _timm(name: str) -> tuple[torch.nn.Module, tuple]:
+    import timm
+
+    return timm.create_model(name, pretrained=False), (torch.randn(1, 3, 224, 224),)
+
+
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "lesson": _lesson,
     "mlp-wide": _mlp_wide,
@@ -106,8 +142,24 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "transformer-layer": _transformer_layer,
     "bert-tiny": _bert_tiny,
     "gpt2-tiny": _gpt2_tiny,
+    # real models
+    "bert": lambda: _hf("BertConfig", "BertModel", vocab_size=1000, **_TEXT),
+    "distilbert": lambda: _hf(
+        "DistilBertConfig", "DistilBertModel", vocab_size=1000, dim=256, hidden_dim=1024, n_layers=4, n_heads=4
+    ),
+    "gpt2": lambda: _hf("GPT2Config", "GPT2Model", vocab_size=1000, n_embd=256, n_layer=4, n_head=4, **_GPT2),
+    "llama": lambda: _hf("LlamaConfig", "LlamaModel", vocab_size=1000, num_key_value_heads=2, use_cache=False, **_TEXT),
+    "t5-encoder": lambda: _hf("T5Config", "T5EncoderModel", vocab_size=1000, d_model=256, d_ff=1024, num_layers=4),
+    "hf-vit": lambda: _hf("ViTConfig", "ViTModel", **_TEXT),
+    "resnet18": lambda: _torchvision("resnet18"),
+    "mobilenet-v3-small": lambda: _torchvision("mobilenet_v3_small"),
+    "vit-tiny": lambda: _timm("vit_tiny_patch16_224"),
+    "convnext-atto": lambda: _timm("convnext_atto"),
 }
-NEEDS_TRANSFORMERS = {"bert-tiny", "gpt2-tiny"}
+NEEDS = {"bert-tiny": "transformers", "gpt2-tiny": "transformers", "resnet18": "torchvision"}
+NEEDS |= {"mobilenet-v3-small": "torchvision", "vit-tiny": "timm", "convnext-atto": "timm"}
+REAL = list(MODELS)[list(MODELS).index("bert") :]
+NEEDS |= {m: "transformers" for m in REAL if m not in NEEDS}
 QUICK = ["lesson", "mlp-wide"]
 
 
@@ -142,6 +194,11 @@ def _inductor(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
     return torch.compile(model)
 
 
+def _inductor_freezing(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    # Intel's recommended CPU inference setting: weights folded into constants, packed for oneDNN.
+    return torch.compile(model, options={"freezing": True})
+
+
 def _torchscript(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
     with torch.no_grad():
         traced = torch.jit.trace(model, inputs, check_trace=False, strict=False)
@@ -160,10 +217,31 @@ def _onnxruntime(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
             torch.onnx.export(model, inputs, path, input_names=names, dynamo=True)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = torch.get_num_threads()
+    # ONNX Runtime's threads spin after each run by default and so slow whatever runs next in the
+    # process (eager and braze, interleaved with it): 43 ms -> ~290 ms for eager's cnn-small.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
     def run(*xs: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(sess.run(None, {n: x.numpy() for n, x in zip(names, xs)})[0])
+
+    return run
+
+
+def _openvino(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
+    import openvino as ov
+
+    with torch.no_grad():
+        converted = ov.convert_model(model, example_input=inputs if len(inputs) > 1 else inputs[0])
+    # f32: OpenVINO's default on a CPU with AVX512-BF16 (this one) is bfloat16 arithmetic, far
+    # outside fast mode's accuracy contract; a latency hint and torch's thread count, as braze runs.
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    compiled = ov.Core().compile_model(converted, "CPU", config | {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    request = compiled.create_infer_request()
+
+    def run(*xs: torch.Tensor) -> torch.Tensor:
+        request.infer([x.numpy() for x in xs])
+        return torch.from_numpy(request.get_output_tensor(0).data.copy())
 
     return run
 
@@ -174,8 +252,10 @@ BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool, str | None]] 
     "braze": (_braze, False, None),
     "braze-fast": (_braze_fast, False, None),
     "inductor": (_inductor, True, None),
+    "inductor-freezing": (_inductor_freezing, True, None),
     "torchscript": (_torchscript, False, None),
     "onnxruntime": (_onnxruntime, False, "onnxruntime"),
+    "openvino": (_openvino, False, "openvino"),
 }
 
 
@@ -397,7 +477,7 @@ def chart(results: list[dict[str, Any]], backends: list[str], path: str) -> str 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)}; 'real': the real models")
     p.add_argument("--backends", default=None, help=f"comma-separated, from {', '.join(BACKENDS)}")
     p.add_argument("--out", default="bench-out", help="folder for results.json and results.png")
     p.add_argument("--quick", action="store_true", help="lesson and mlp-wide only, fewer rounds")
@@ -415,15 +495,15 @@ def _select(arg: str | None, known: dict, default: list[str]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     _load_plugins()
-    has_hf = _available("transformers")
-    default_models = QUICK if args.quick else [m for m in MODELS if has_hf or m not in NEEDS_TRANSFORMERS]
-    models = _select(args.models, MODELS, default_models)
+    default_models = QUICK if args.quick else [m for m in MODELS if m not in REAL]
+    models = _select(args.models, MODELS | {"real": None}, default_models)
+    models = [r for m in models for r in (REAL if m == "real" else [m])]
     notes = []
-    if not has_hf:
-        skipped = [m for m in models if m in NEEDS_TRANSFORMERS]
-        models = [m for m in models if m not in NEEDS_TRANSFORMERS]
-        if skipped or args.models is None:
-            notes.append("transformers is not installed (pip install 'braze[bench]'): skipped the Hugging Face models")
+    missing = [m for m in models if not _available(NEEDS.get(m))]
+    if missing:
+        needed = ", ".join(sorted({NEEDS[m] for m in missing}))
+        notes.append(f"skipped {', '.join(missing)}: {needed} cannot be imported (README, 'braze bench')")
+        models = [m for m in models if m not in missing]
     default_backends = [b for b, (_, _, mod) in BACKENDS.items() if _available(mod)]
     backends = _select(args.backends, BACKENDS, default_backends)
     if "eager" not in backends:

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="compile the lesson MLP and compare it with eager")
     d.add_argument("--rounds", type=int, default=15)
     sub.add_parser("explain", help="print every stage of compiling the lesson MLP")
-    b = sub.add_parser("bench", help="benchmark braze beside eager, Inductor, TorchScript, ONNX Runtime")
+    b = sub.add_parser("bench", help="benchmark braze beside eager, Inductor, TorchScript, ONNX Runtime, OpenVINO")
     from . import bench
 
     bench.add_arguments(b)
