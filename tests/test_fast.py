@@ -10,6 +10,7 @@ import torch
 import braze
 from braze import fast
 from braze.accuracy import measure
+from braze.ir import Op
 
 nn = torch.nn
 
@@ -231,3 +232,55 @@ def test_exact_mode_leaves_convolutions_to_aten_and_torchdynamo_graphs_fold():
     dynamo = torch.compile(model, backend="braze", options={"mode": "fast"})
     with torch.no_grad():
         assert measure(dynamo(x), model(x), copy.deepcopy(model).double()(x.double())).ok
+
+
+class _InvertedResidual(nn.Module):
+    """MobileNet-V3's block: a 1 x 1 expansion, a depthwise convolution, squeeze-and-excitation
+    (global average pool, two 1 x 1 convolutions on 1 x 1 pixels), a 1 x 1 projection, a residual."""
+
+    def __init__(self, c: int, hidden: int) -> None:
+        super().__init__()
+
+        def conv(cin: int, cout: int, k: int = 1, groups: int = 1) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+
+        self.expand = nn.Sequential(*conv(c, hidden), nn.Hardswish())
+        self.depthwise = nn.Sequential(*conv(hidden, hidden, 3, groups=hidden), nn.Hardswish())
+        squeezed = max(hidden // 4, 1)
+        self.se = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Conv2d(hidden, squeezed, 1), nn.ReLU(), nn.Conv2d(squeezed, hidden, 1)
+        )
+        self.project = nn.Sequential(*conv(hidden, c))
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.depthwise(self.expand(x))
+        h = h * nn.functional.hardsigmoid(self.se(h))
+        return x + self.project(h)
+
+
+def _mobile() -> nn.Module:
+    torch.manual_seed(0)
+    stem = [nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.Hardswish()]
+    return nn.Sequential(*stem, _InvertedResidual(16, 48), _InvertedResidual(16, 33), nn.AdaptiveAvgPool2d(1)).eval()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("shape", [(1, 3, 32, 32), (3, 3, 17, 29)], ids=str)
+def test_pointwise_convolutions_are_gemms_within_the_contract(scale, shape):
+    """Fast mode: 1 x 1 convolutions of channels-last activations are braze's GEMMs, BatchNorm
+    after them and global average pools of that layout native: only the 3 x 3 convolutions
+    stay oneDNN calls."""
+    model = _mobile()
+    x = torch.randn(*shape) * scale
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    (prog,) = compiled.programs()
+    assert [label for label, _ in prog.externs] == ["conv2d (oneDNN, packed weight)"] * 3, prog.externs
+    assert sum(n.op is Op.GEMM for n in prog.graph.nodes) == 8
+    report = braze.check_accuracy(model, x)
+    assert report.ok, str(report)

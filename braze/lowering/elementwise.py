@@ -261,7 +261,8 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     ATen's arithmetic (batch_norm_kernel.cpp, GCC's FMAs): per channel invstd = 1 / sqrt(var +
     eps), alpha = invstd * weight, beta = fma(-mean, alpha, bias); then y = fma(x, alpha, beta).
     The channel terms are recomputed each call from the live buffers (a few elementwise ops over
-    the channels); y is one elementwise op, fused with what follows (ReLU)."""
+    the channels); y is one elementwise op, fused with what follows (ReLU). Fast mode takes any
+    layout (a channels-last input, after a 1 x 1 convolution made a GEMM) in this arithmetic."""
     no_out(kwargs)
     if isinstance(fn, torch.nn.modules.batchnorm._BatchNorm):
         lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
@@ -281,7 +282,7 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         return conv.fold_batch_norm(lw, at, tuple(channels), eps)
     if not (is_float32(x) and x.meta.dim() >= 2):
         raise NotNative("batch_norm of a tensor that is not float32 with a channel dimension")
-    if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+    if not isinstance(out, torch.Tensor) or not (lw.fast or (x.meta.is_contiguous() and out.is_contiguous())):
         raise NotNative("batch_norm of a strided or channels-last input (ATen's other loop)")
     c = x.meta.shape[1]
     for t in channels:
