@@ -52,8 +52,6 @@ def _fusion(prog: Program) -> str:
             lines.append(f"  {n.name}: copies of {', '.join(n.inputs)} along dimension {n.attrs['dim']}")
         elif n.op is Op.VML:
             lines.append(f"  {n.name}: MKL {n.attrs['fn']} on {n.inputs[0]}")
-        elif n.op is Op.DEPTHWISE:
-            lines.append(f"  {n.name}: depthwise convolution of {n.inputs[0]} (channels-last, fast mode)")
         elif n.op is Op.BMM:
             batch = n.attrs["blas"]["batch"]
             lines.append(f"  {n.name}: cblas_sgemm_batch {n.inputs[0]} @ {n.inputs[1]}, {batch} matrices")

@@ -8,11 +8,7 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              last activations, an eval BatchNorm after it folded into its weight and bias (in
              float64) (cnn-small: 1.6-1.8x eager, `braze bench`)
 
-    1 x 1    a 1 x 1 convolution of channels-last pixels is a GEMM of those rows (gemm.py), and
-             a depthwise one braze's window kernel (pool.py): at MobileNet-V3's sizes a oneDNN call
-             costs ~40-60 us, most of it the call (lowering/conv.py)
-
-An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
+An activation after either (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 
 A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
 changed in place (`_version`): never a stale answer.

@@ -59,10 +59,6 @@ class Op(enum.Enum):
     # max_pool2d of each [H, W] plane of inputs[0] (contiguous), as ATen (pool.py); attrs: kernel,
     # stride, padding, dilation (pairs)
     MAX_POOL = "max_pool"
-    # Fast mode's depthwise convolution of a channels-last inputs[0] by inputs[1] ([kh, kw, C],
-    # contiguous) plus inputs[2] (or None), into a channels-last result (pool.py); attrs: kernel,
-    # stride, padding, dilation (pairs)
-    DEPTHWISE = "depthwise"
     # Rows of inputs[1] (2-D, rows contiguous) copied out in the order of the int64/int32 indices
     # inputs[0], as ATen's embedding; an index outside [0, attrs rows) raises eager's IndexError.
     EMBEDDING = "embedding"
@@ -88,7 +84,6 @@ KERNELS = (
             Op.SOFTMAX,
             Op.SUM,
             Op.MAX_POOL,
-            Op.DEPTHWISE,
             Op.EMBEDDING,
         }
     )

@@ -1,18 +1,11 @@
-"""Window kernels: native functions built once per process into the JIT and called by programs.
-Max pooling gives ATen's float32 CPU results bit for bit; the depthwise convolution is fast
-mode's (its own order of additions, within the accuracy contract).
+"""Pooling kernels: native functions that give ATen's float32 CPU pooling results bit for bit,
+built once per process into the JIT and called by programs.
 
     braze_max_pool2d_planes(x, y, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi)
         planes lo..hi of a contiguous [planes, h, w] x into a contiguous [planes, oh, ow] y: ATen's
         max_pool2d_with_indices loop for contiguous inputs (MaxPoolKernel.cpp): each window
         clipped to the image, walked row by row from -inf, a value taken when it is greater than
         the maximum so far or NaN (so NaN propagates, and of equal values the first stays)
-
-    braze_depthwise_conv2d_nhwc(x, w, b, y, h, w, c, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi)
-        output rows lo..hi (of n * oh) of a depthwise convolution (one filter per channel) of a
-        channels-last x [n, h, w, c] by w [kh, kw, c] plus b [c] (or nothing, where b is null)
-        into a channels-last y [n, oh, ow, c]: 16 channels at a time, the window's taps added in
-        order with FMAs, taps outside the image skipped (zero padding)
 
 A maximum computes nothing, but its NaN rule, which of two equal zeros it keeps and the clipping
 of windows are ATen's choices: a probe (`max_pool_same`) compares the kernel with ATen before any
@@ -29,7 +22,6 @@ import torch
 
 from . import jit
 from .codegen import F32, I64, PTR, VOID, counted_loop
-from .codegen.loops import fma
 
 MAX_POOL = "braze_max_pool2d_planes"
 ARGS = 14  # h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi
@@ -73,55 +65,9 @@ def _max_pool(module: ll.Module) -> None:
     b.ret_void()
 
 
-DEPTHWISE = "braze_depthwise_conv2d_nhwc"
-DEPTHWISE_ARGS = 15  # h, w, c, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi
-LANES = 16
-
-
-def _depthwise(module: ll.Module) -> None:
-    fn = ll.Function(module, ll.FunctionType(VOID, [PTR] * 4 + [I64] * DEPTHWISE_ARGS), DEPTHWISE)
-    x, w, bias, y, h, wd, c, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi = fn.args
-    b = ll.IRBuilder(fn.append_basic_block("entry"))
-    vec = ll.VectorType(F32, LANES)
-    full = b.mul(b.sdiv(c, I64(LANES)), I64(LANES))
-    has_bias = b.icmp_unsigned("!=", bias, ll.Constant(PTR, None))
-    with b.goto_entry_block():
-        sums = {vec: b.alloca(vec), F32: b.alloca(F32)}
-
-    def channels(row: ll.Value, i: ll.Value, j: ll.Value, ch: ll.Value, ty: ll.Type) -> None:
-        """y[row, j, ch : ch + width] = bias + the window's taps, for a vector or one channel."""
-        zero = ll.Constant(ty, [0.0] * LANES) if ty is vec else F32(0.0)
-        start = b.select(has_bias, b.gep(bias, [ch], source_etype=F32), b.gep(y, [ch], source_etype=F32))
-        acc = sums[ty]
-        b.store(b.select(has_bias, b.load(start, typ=ty, align=4), zero), acc)
-        n = b.sdiv(row, oh)
-        with counted_loop(b, I64(0), kh) as ki:
-            ih = b.add(b.sub(b.mul(i, sh), ph), b.mul(ki, dh))
-            with b.if_then(b.and_(b.icmp_signed(">=", ih, I64(0)), b.icmp_signed("<", ih, h))):
-                with counted_loop(b, I64(0), kw) as kj:
-                    iw = b.add(b.sub(b.mul(j, sw), pw), b.mul(kj, dw))
-                    with b.if_then(b.and_(b.icmp_signed(">=", iw, I64(0)), b.icmp_signed("<", iw, wd))):
-                        pixel = b.add(b.mul(b.add(b.mul(n, h), ih), wd), iw)
-                        xv = b.load(b.gep(x, [b.add(b.mul(pixel, c), ch)], source_etype=F32), typ=ty, align=4)
-                        tap = b.add(b.mul(ki, kw), kj)
-                        wv = b.load(b.gep(w, [b.add(b.mul(tap, c), ch)], source_etype=F32), typ=ty, align=4)
-                        b.store(fma(b, xv, wv, b.load(acc, typ=ty)), acc)
-        out = b.add(b.mul(b.add(b.mul(row, ow), j), c), ch)
-        b.store(b.load(acc, typ=ty), b.gep(y, [out], source_etype=F32), align=4)
-
-    with counted_loop(b, lo, hi) as row:
-        i = b.srem(row, oh)
-        with counted_loop(b, I64(0), ow) as j:
-            with counted_loop(b, I64(0), full, LANES) as ch:
-                channels(row, i, j, ch, vec)
-            with counted_loop(b, full, c) as ch:
-                channels(row, i, j, ch, F32)
-    b.ret_void()
-
-
 def library(kernel: str) -> int:
-    """The address of window kernel `kernel` (jit.kernel: built alone when first needed)."""
-    return jit.kernel(kernel, {MAX_POOL: _max_pool, DEPTHWISE: _depthwise}[kernel])
+    """The address of pooling kernel `kernel` (jit.kernel: built alone when first needed)."""
+    return jit.kernel(kernel, {MAX_POOL: _max_pool}[kernel])
 
 
 def max_pool2d_planes(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple, out: tuple):

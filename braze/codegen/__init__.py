@@ -367,21 +367,6 @@ class ModuleBuilder:
             fn = self.kernel(pool, pool.MAX_POOL, [PTR, PTR] + [I64] * pool.ARGS)
             kb.call(fn, [*ptrs, *(self.dim(kb, tbl, d) for d in shape), *window, lo, hi])
 
-    def _depthwise(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """pool.py's depthwise convolution over the output rows (n * oh), split between threads."""
-        from .. import pool  # built on this module's helpers
-
-        x = self.slot_of(k.inputs[0]).meta
-        rows = k.meta.shape[0] * k.meta.shape[2]
-        with self._ranged(b, table, "depthwise", k.meta.numel, rows) as (kb, tbl, lo, hi):
-            bias = ll.Constant(PTR, None) if k.inputs[2] is None else self.pointer(kb, tbl, self.slot_of(k.inputs[2]))
-            ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in k.inputs[:2]]
-            shape = (x.shape[2], x.shape[3], x.shape[1], k.meta.shape[2], k.meta.shape[3])
-            window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
-            fn = self.kernel(pool, pool.DEPTHWISE, [PTR] * 4 + [I64] * pool.DEPTHWISE_ARGS)
-            out = self.pointer(kb, tbl, self.slot_of(k.name))
-            kb.call(fn, [*ptrs, bias, out, *(self.dim(kb, tbl, d) for d in shape), *window, lo, hi])
-
     def _embedding(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """Each index's row of the weight copied to the output's next row; an index outside
         [0, rows) sets the table's error word instead (the program raises eager's IndexError)."""
@@ -532,7 +517,6 @@ _EMITTERS = {
     Op.SUM: "_rows",
     Op.ACTIVATION: "_activation",
     Op.MAX_POOL: "_max_pool",
-    Op.DEPTHWISE: "_depthwise",
     Op.EMBEDDING: "_embedding",
 }
 

@@ -1,8 +1,8 @@
 """Convolution rows, and fast mode's fusions into its packed oneDNN calls. Exact mode calls
 ATen's convolution (oneDNN's, whose bits braze cannot reproduce); fast mode calls oneDNN's on a
 packed weight (fast.PackedConv), folds an eval BatchNorm that follows it into that call, and
-makes an activation after a packed convolution or linear the call's post-op. In fast mode a 1 x 1
-convolution of channels-last rows is a GEMM, and a depthwise one braze's window kernel."""
+makes an activation after a packed convolution or linear the call's post-op. A 1 x 1
+convolution of channels-last rows is a GEMM in fast mode."""
 
 from __future__ import annotations
 
@@ -47,10 +47,7 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         and (padding, stride, groups) == ([0, 0], [1, 1], 1)
     ):
         return _pointwise(lw, x, w, b, out)
-    dilation = list(_pair(given.get("dilation", 1)))
-    if _pixel_rows(x.meta, out) and groups == x.meta.shape[1] == w.meta.shape[0] and w.meta.shape[1] == 1:
-        return _depthwise(lw, x, w, b, out, padding=padding, stride=stride, dilation=dilation)
-    packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
+    packed = fast.PackedConv(padding, stride, list(_pair(given.get("dilation", 1))), groups, list(x.meta.shape))
     why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
     return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
 
@@ -74,20 +71,6 @@ def _pointwise(lw: Lowerer, x: Sym, w: Sym, b: Any, out: torch.Tensor) -> Sym:
     product = gemm._linear(lw, F.linear, (rows, weight, b), {}, None)
     # eager's layout: channels-last (size-1 dimensions' strides as eager has them)
     return lw.view(product, lambda t: t.as_strided(out.shape, out.stride(), t.storage_offset()))
-
-
-def _depthwise(lw: Lowerer, x: Sym, w: Sym, b: Any, out: torch.Tensor, **window: list[int]) -> Sym:
-    """Fast mode: a depthwise convolution (one filter per channel) of channels-last pixels as
-    pool.py's window kernel. A oneDNN call costs ~40-60 us at MobileNet-V3's sizes for a few us
-    of arithmetic. The weight is copied into [kh, kw, C] at each call (channels innermost, as in
-    the pixels): a weight changed since is read as it is."""
-    if not (is_float32(w) and w.meta.is_contiguous() and (b is None or b.meta.is_contiguous())) or out.numel() == 0:
-        raise NotNative("depthwise convolution of a strided weight or bias, or with an empty result")
-    c, kh, kw = w.meta.shape[0], w.meta.shape[2], w.meta.shape[3]
-    taps = lw.view(w, lambda t: t.view(c, kh * kw).t())
-    taps = lw.elementwise(Op.COPY, (taps,), torch.empty(kh * kw, c, device="meta"))
-    inputs = (x.name, taps.name, None if b is None else b.name)
-    return lw.emit(Op.DEPTHWISE, inputs, out, kernel=[kh, kw], **window)
 
 
 def packed_extern(lw: Lowerer, packed: fast.Packed, args: tuple, label: str, why: str) -> Sym:
