@@ -8,7 +8,11 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              last activations, an eval BatchNorm after it folded into its weight and bias (in
              float64) (cnn-small: 1.6-1.8x eager, `braze bench`)
 
-An activation after either (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
+    1 x 1    a 1 x 1 convolution of channels-last pixels is instead a GEMM of those rows (gemm.py;
+             lowering/conv.py): at MobileNet-V3's sizes a oneDNN call costs ~40 us, most of it the
+             call
+
+An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 
 A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
 changed in place (`_version`): never a stale answer.
