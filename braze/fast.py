@@ -8,8 +8,8 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              last activations, an eval BatchNorm after it folded into its weight and bias (in
              float64) (cnn-small: 1.6-1.8x eager, `braze bench`)
 
-    1 x 1    a 1 x 1 convolution of channels-last pixels is instead a GEMM of those rows (gemm.py;
-             lowering/conv.py): at MobileNet-V3's sizes a oneDNN call costs ~40 us, most of it the
+    1 x 1    a 1 x 1 convolution of channels-last pixels is instead braze's GEMM (MKL's sgemm_) of
+             those rows (lowering/conv.py): at MobileNet-V3's sizes a oneDNN call costs ~40 us, most of it the
              call
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.

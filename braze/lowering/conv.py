@@ -60,10 +60,10 @@ def _pixel_rows(x: torch.Tensor, out: Any) -> bool:
 
 def _pointwise(lw: Lowerer, x: Sym, w: Sym, b: Any, out: torch.Tensor) -> Sym:
     """Fast mode: a 1 x 1 convolution (stride 1, no padding, one group) of channels-last pixel
-    rows is the GEMM of those rows by the weight, through gemm.py's linear (MKL's sgemm_, or
-    oneDNN's packed GEMM where timed faster). What follows (BatchNorm, activations) are braze's
-    elementwise kernels. At MobileNet-V3's sizes a oneDNN convolution call costs ~40 us, most of
-    it the call: 1 x 1 convolutions are 41 of its 52."""
+    rows is the GEMM of those rows by the weight, through gemm.py's linear: MKL's sgemm_ (the
+    weight is a view of the model's here, which oneDNN's packing does not take). What follows
+    (BatchNorm, activations) are braze's elementwise kernels. At MobileNet-V3's sizes a oneDNN
+    convolution call costs ~40 us, most of it the call: 1 x 1 convolutions are 41 of its 52."""
     if not is_float32(w) or not w.meta.is_contiguous():
         raise NotNative("1 x 1 convolution of a weight that is not contiguous float32")
     rows = lw.view(x, lambda t: t.permute(0, 2, 3, 1).reshape(-1, t.shape[1]))
