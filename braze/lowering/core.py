@@ -240,7 +240,7 @@ class Lowerer:
             out = pytree.tree_map(lambda t: to_meta(t) if _strided(t) else t, out_real, is_leaf=_is_size)
         tensors = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
         if not tensors and not isinstance(fn, torch.nn.Module):
-            syms = [v for v in leaves((args, kwargs)) if isinstance(v, Sym)]
+            syms = _syms(args, kwargs)
             if not syms or (_layout_query(key, args) and all(v.is_tensor for v in syms)):
                 self._layout_read(syms)
                 return out  # sizes, dtypes, ...: constants of this specialisation
@@ -274,7 +274,7 @@ class Lowerer:
         Not meta tensors: many meta kernels are Python, and the first of them imports sympy
         (about 2 s here), while the first call must cost milliseconds.
         """
-        syms = [s for s in leaves((args, kwargs)) if isinstance(s, Sym)]
+        syms = _syms(args, kwargs)
         real = {s.name: self.example(s) for s in syms}
         versions = {n: t._version for n, t in real.items() if isinstance(t, torch.Tensor)}
         with _model_state_kept(fn):
@@ -298,7 +298,7 @@ class Lowerer:
 
     def extern(self, fn: Any, args: tuple, kwargs: dict, label: str, why: str, out: Any) -> Sym:
         """A call of fn(*args, **kwargs) made at run time, as an EXTERN node; `why` for explain."""
-        inputs = tuple(dict.fromkeys(s.name for s in leaves((args, kwargs)) if isinstance(s, Sym)))
+        inputs = tuple(dict.fromkeys(s.name for s in _syms(args, kwargs)))
         return self.emit(Op.EXTERN, inputs, out, "e", fn=fn, label=label, why=why, args=args, kwargs=kwargs)
 
     def _layout_read(self, leaves: list[Any]) -> None:
@@ -434,6 +434,7 @@ def _among(fn: object, calls: frozenset) -> bool:
 
 
 def _syms(args: tuple, kwargs: dict) -> list[Sym]:
+    """The IR values among a call's arguments, in order (repeats kept)."""
     return [v for v in leaves((args, kwargs)) if isinstance(v, Sym)]
 
 
