@@ -142,7 +142,8 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "transformer-layer": _transformer_layer,
     "bert-tiny": _bert_tiny,
     "gpt2-tiny": _gpt2_tiny,
-    # real models
+}
+REAL_MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "bert": lambda: _hf("BertConfig", "BertModel", vocab_size=1000, **_TEXT),
     "distilbert": lambda: _hf(
         "DistilBertConfig", "DistilBertModel", vocab_size=1000, dim=256, hidden_dim=1024, n_layers=4, n_heads=4
@@ -156,16 +157,19 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "vit-tiny": lambda: _timm("vit_tiny_patch16_224"),
     "convnext-atto": lambda: _timm("convnext_atto"),
 }
-NEEDS = {"bert-tiny": "transformers", "gpt2-tiny": "transformers", "resnet18": "torchvision"}
-NEEDS |= {"mobilenet-v3-small": "torchvision", "vit-tiny": "timm", "convnext-atto": "timm"}
-REAL = list(MODELS)[list(MODELS).index("bert") :]
-NEEDS |= {m: "transformers" for m in REAL if m not in NEEDS}
+REAL = list(REAL_MODELS)
+ALL_MODELS = MODELS | REAL_MODELS
+# the module each model needs beyond torch (the others need none)
+NEEDS = dict.fromkeys(
+    ("bert-tiny", "gpt2-tiny", "bert", "distilbert", "gpt2", "llama", "t5-encoder", "hf-vit"), "transformers"
+)
+NEEDS |= {"resnet18": "torchvision", "mobilenet-v3-small": "torchvision", "vit-tiny": "timm", "convnext-atto": "timm"}
 QUICK = ["lesson", "mlp-wide"]
 
 
 def build_model(name: str) -> tuple[torch.nn.Module, tuple]:
     torch.manual_seed(0)
-    model, inputs = MODELS[name]()
+    model, inputs = ALL_MODELS[name]()
     return model.eval(), inputs
 
 
@@ -477,7 +481,9 @@ def chart(results: list[dict[str, Any]], backends: list[str], path: str) -> str 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)}; 'real': the real models")
+    p.add_argument(
+        "--models", default=None, help=f"comma-separated, from {', '.join(ALL_MODELS)}; 'real': the real models"
+    )
     p.add_argument("--backends", default=None, help=f"comma-separated, from {', '.join(BACKENDS)}")
     p.add_argument("--out", default="bench-out", help="folder for results.json and results.png")
     p.add_argument("--quick", action="store_true", help="lesson and mlp-wide only, fewer rounds")
@@ -495,8 +501,8 @@ def _select(arg: str | None, known: dict, default: list[str]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     _load_plugins()
-    default_models = QUICK if args.quick else [m for m in MODELS if m not in REAL]
-    models = _select(args.models, MODELS | {"real": None}, default_models)
+    default_models = QUICK if args.quick else list(MODELS)
+    models = _select(args.models, ALL_MODELS | {"real": None}, default_models)
     models = [r for m in models for r in (REAL if m == "real" else [m])]
     notes = []
     missing = [m for m in models if not _available(NEEDS.get(m))]
