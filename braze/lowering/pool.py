@@ -1,9 +1,6 @@
 """Pooling rows: max_pool2d through braze's pooling kernel (braze/pool.py), where a probe shows
-it gives ATen's bits; adaptive_avg_pool2d to 1 x 1 as the mean ATen computes.
-
-Fast mode's channels-last activations keep ATen's global average pool: a native copy into rows
-and their mean was 5% faster on MobileNet-V3-small (2.30 vs 2.42 ms) but only with LLVM's
-optimiser on its strided copy loops, which took its first call from 0.36 s to 1.2 s."""
+it gives ATen's bits; adaptive_avg_pool2d to 1 x 1 as the mean ATen computes. Fast mode's
+channels-last activations keep ATen's global average pool (docs/limits.md says why)."""
 
 from __future__ import annotations
 
