@@ -73,10 +73,10 @@ def _pointwise(lw: Lowerer, x: Sym, w: Sym, b: Any, out: torch.Tensor) -> Sym:
     return lw.view(product, lambda t: t.as_strided(out.shape, out.stride(), t.storage_offset()))
 
 
-def packed_extern(lw: Lowerer, packed: fast.Packed, args: tuple, label: str, why: str) -> Sym:
-    """An ATen call of `packed` on args; its example value is what it gives on lw's examples
-    (packing its weight there)."""
-    real = packed(*lw.examples(args))
+def packed_extern(lw: Lowerer, packed: fast.Packed, args: tuple, label: str, why: str, real: Any = None) -> Sym:
+    """An ATen call of `packed` on args; its example value is `real`, what it gives on lw's
+    examples and the model's own weights (packing them: see Lowerer.live)."""
+    real = packed(*lw.live(args)) if real is None else real
     sym = lw.extern(packed, args, {}, label, why, to_meta(real))
     lw.real[sym.name] = real
     return sym
@@ -119,6 +119,6 @@ def _replace(lw: Lowerer, at: int, args: tuple, more: str) -> Sym:
     # last: after the nodes of its new operands (nothing read its result yet)
     del lw.nodes[at]
     lw.nodes.append(dataclasses.replace(node, inputs=inputs, attrs={**node.attrs, "args": args, "why": why}))
-    real = node.attrs["fn"](*lw.examples(args))
+    real = node.attrs["fn"](*lw.live(args))
     lw.real[node.name] = real
     return Sym(node.name, to_meta(real))

@@ -89,6 +89,7 @@ class Lowerer:
         self.nodes: list[Node] = []
         self.inputs: list[str] = []
         self.param_syms: dict[int, Sym] = {}
+        self.params: dict[str, torch.Tensor] = {}  # PARAM -> the model's tensor
         self.base: dict[str, str] = {}  # view (or aliasing extern result) -> the value owning memory
         self.view_root: dict[str, str] = {}  # VIEW -> the value it is addressed from
         self.viewed: set[str] = set()
@@ -111,6 +112,7 @@ class Lowerer:
     def param(self, t: torch.Tensor, label: str) -> Sym:
         if id(t) not in self.param_syms:
             self.param_syms[id(t)] = self.emit(Op.PARAM, (), to_meta(t), "p", label=label, tensor=t)
+            self.params[self.param_syms[id(t)].name] = t
         return self.param_syms[id(t)]
 
     def owner(self, name: str) -> str:
@@ -156,6 +158,16 @@ class Lowerer:
     def examples(self, tree: Any) -> Any:
         """`tree` with each Sym replaced by its example value."""
         return map_tree(lambda v: self.example(v) if isinstance(v, Sym) else v, tree)
+
+    def live(self, tree: Any) -> Any:
+        """`tree` with each Sym replaced by its example value, and each parameter by the model's
+        own tensor: what fast mode's packed calls, which only read their operands, pack from
+        while lowering, so that the program's first call finds that packing in place."""
+
+        def one(v: Any) -> Any:
+            return v if not isinstance(v, Sym) else self.params[v.name] if v.name in self.params else self.example(v)
+
+        return map_tree(one, tree)
 
     def elementwise(self, op: Op, operands: tuple[Any, ...], out: Any, **attrs: Any) -> Sym:
         want = torch.bool if op in COMPARE else torch.float32

@@ -234,8 +234,9 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         b = None if fn.bias is None else lw.param(fn.bias, "bias")
     if not isinstance(x, Sym) or not isinstance(w, Sym) or not x.is_tensor:
         raise NotNative("linear on non-tensors")
-    if lw.fast and _packs(lw, x, w, b, transposed=False):
-        return _packed(lw, x, w, b, transposed=False)
+    packed = _packed(lw, x, w, b, transposed=False)
+    if packed is not None:
+        return packed
     wt = lw.view(w, torch.t)
     if b is not None and x.meta.dim() == 2:
         return _gemm(lw, x, wt, b, 1.0)
@@ -246,25 +247,25 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return res if b is None else lw.elementwise(Op.ADD, (res, b), out)
 
 
-def _packs(lw: Lowerer, x: Sym, w: Sym, b: Any, transposed: bool) -> bool:
-    """Fast mode: whether this linear (addmm if `transposed`) runs oneDNN's GEMM on a packed
-    weight: float32 rows, a model weight (a parameter, or an input of a TorchDynamo graph), a
-    vector bias or none, full matmul precision, and oneDNN timed faster at the shape."""
-    if not (is_float32(x) and is_float32(w) and (b is None or is_float32(b))):
-        return False
+def _packed(lw: Lowerer, x: Sym, w: Sym, b: Any, transposed: bool) -> Sym | None:
+    """Fast mode: this linear (addmm if `transposed`) as an ATen call of oneDNN's GEMM on w packed
+    once (fast.PackedLinear), for float32 rows, a model weight (a parameter, or an input of a
+    TorchDynamo graph), a vector bias or none, at full matmul precision, where oneDNN was timed
+    faster at the shape; else None."""
+    if not (lw.fast and is_float32(x) and is_float32(w) and (b is None or is_float32(b))):
+        return None
     if lw.ops.get(w.name) not in (Op.PARAM, Op.INPUT) or jit.matmul_precision() not in jit.FULL_PRECISION:
-        return False
+        return None
     if x.meta.dim() < 2 or w.meta.dim() != 2 or (b is not None and b.meta.dim() != 1):
-        return False
-    n, k = reversed(w.meta.shape) if transposed else w.meta.shape
-    return x.meta.shape[-1] == k and fast.packed_linear_wins(x.meta.numel() // max(k, 1), k, n, b is not None)
-
-
-def _packed(lw: Lowerer, x: Sym, w: Sym, b: Sym | None, transposed: bool) -> Sym:
-    """An ATen call of oneDNN's GEMM on w packed once (fast.PackedLinear)."""
+        return None
+    if x.meta.shape[-1] != w.meta.shape[0 if transposed else 1]:
+        return None
     packed = fast.PackedLinear(x.meta.numel() // max(x.meta.shape[-1], 1), transposed)
+    real = fast.packed_linear(packed, *lw.live((x, w, b)))
+    if real is None:
+        return None
     why = "fast mode: oneDNN's GEMM on a packed weight, timed faster than MKL's at this shape"
-    return conv.packed_extern(lw, packed, (x, w, b), "linear (oneDNN, packed weight)", why)
+    return conv.packed_extern(lw, packed, (x, w, b), "linear (oneDNN, packed weight)", why, real)
 
 
 def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -272,8 +273,9 @@ def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     if kwargs.get("alpha", 1) != 1 or kwargs.get("beta", 1) not in (0, 1):
         raise NotNative("alpha != 1 or beta not in {0, 1}")
     bias, x, w = args[:3]
-    if lw.fast and kwargs.get("beta", 1) == 1 and _packs(lw, x, w, bias, transposed=True):
-        return _packed(lw, x, w, bias, transposed=True)
+    packed = _packed(lw, x, w, bias, transposed=True) if kwargs.get("beta", 1) == 1 else None
+    if packed is not None:
+        return packed
     return _gemm(lw, x, w, bias, float(kwargs.get("beta", 1)))
 
 
