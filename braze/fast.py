@@ -8,9 +8,11 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              last activations, an eval BatchNorm after it folded into its weight and bias (in
              float64) (cnn-small: 1.6-1.8x eager, `braze bench`)
 
-    1 x 1    a 1 x 1 convolution of channels-last pixels is instead braze's GEMM (MKL's sgemm_) of
-             those rows (lowering/conv.py): at MobileNet-V3's sizes a oneDNN call costs ~40 us, most of it the
-             call
+    1 x 1    a 1 x 1 convolution of channels-last pixels is instead braze's GEMM (MKL's sgemm_)
+             of those rows (lowering/conv.py): at MobileNet-V3's sizes a oneDNN call costs ~40 us,
+             most of it the call; their global average pool, a GEMM of ones (lowering/pool.py)
+    dw       a depthwise convolution of channels-last pixels up to 8 MFLOP: braze's kernel
+             (depthwise.py)
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 

@@ -59,6 +59,10 @@ class Op(enum.Enum):
     # max_pool2d of each [H, W] plane of inputs[0] (contiguous), as ATen (pool.py); attrs: kernel,
     # stride, padding, dilation (pairs)
     MAX_POOL = "max_pool"
+    # Fast mode's depthwise convolution (depthwise.py) of channels-last inputs[0] by the
+    # contiguous [C, 1, KH, KW] weight inputs[1], plus the bias inputs[2] if there is one; attrs:
+    # kernel, stride, padding (pairs; no dilation)
+    DEPTHWISE = "depthwise"
     # Rows of inputs[1] (2-D, rows contiguous) copied out in the order of the int64/int32 indices
     # inputs[0], as ATen's embedding; an index outside [0, attrs rows) raises eager's IndexError.
     EMBEDDING = "embedding"
@@ -84,6 +88,7 @@ KERNELS = (
             Op.SOFTMAX,
             Op.SUM,
             Op.MAX_POOL,
+            Op.DEPTHWISE,
             Op.EMBEDDING,
         }
     )

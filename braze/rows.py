@@ -230,7 +230,7 @@ def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
     return b.select(b.fcmp_unordered("uno", x, y), ones, b.select(b.fcmp_ordered(">", x, y), x, y))
 
 
-def _lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
+def lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
     """The 16 lanes' mask: lane i < count."""
     lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
     one = ll.Constant(ll.VectorType(I32, 1), ll.Undefined)
@@ -242,7 +242,7 @@ def _lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
 
 def _partial(b: ll.IRBuilder, ptr: ll.Value, count: ll.Value, store: ll.Value | None = None) -> ll.Value | None:
     """Vectorized::loadu(ptr, count) (lanes past count are 0) or store(ptr, count)."""
-    mask = _lanes_below(b, count)
+    mask = lanes_below(b, count)
     if store is None:
         load = declared(b.module, "llvm.masked.load.v16f32.p0", V16, [PTR, I32, mask.type, V16])
         return b.call(load, [ptr, I32(4), mask, ll.Constant(V16, [0.0] * WIDE)])
@@ -272,7 +272,7 @@ def _reduce_all(b: ll.IRBuilder, op: Callable, x: ll.Value, n: ll.Value) -> ll.V
             with b.if_then(b.icmp_signed(">", rest, I64(0))):
                 tail = _partial(b, b.gep(x, [whole], source_etype=F32), rest)
                 a = b.load(acc, typ=V16)
-                b.store(b.select(_lanes_below(b, rest), op(b, a, tail), a), acc)
+                b.store(b.select(lanes_below(b, rest), op(b, a, tail), a), acc)
             v = b.load(acc, typ=V16)
             for step in (8, 4, 2, 1):
                 mask = ll.Constant(ll.VectorType(I32, WIDE), [i ^ step for i in range(WIDE)])

@@ -273,16 +273,18 @@ def _mobile() -> nn.Module:
 @pytest.mark.parametrize("shape", [(1, 3, 32, 32), (3, 3, 17, 29)], ids=str)
 def test_pointwise_convolutions_are_gemms_within_the_contract(scale, shape):
     """Fast mode: 1 x 1 convolutions of channels-last activations are braze's GEMMs, the
-    BatchNorm after them native, and each global average pool a GEMM of ones by the pixel rows
-    (a batched one for several images): only the 3 x 3 convolutions stay oneDNN calls."""
+    BatchNorm after them native, each global average pool a GEMM of ones by the pixel rows (a
+    batched one for several images), the depthwise convolutions depthwise.py's: only the first
+    convolution, of the NCHW input, stays a oneDNN call."""
     model = _mobile()
     x = torch.randn(*shape) * scale
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         compiled(x)
     (prog,) = compiled.programs()
-    assert [label for label, _ in prog.externs] == ["conv2d (oneDNN, packed weight)"] * 3
+    assert [label for label, _ in prog.externs] == ["conv2d (oneDNN, packed weight)"]
     ops = [n.op for n in prog.graph.nodes]
+    assert ops.count(Op.DEPTHWISE) == 2
     pools = 3 if shape[0] > 1 else 0
     assert (ops.count(Op.GEMM), ops.count(Op.BMM)) == (11 - pools, pools)
     report = braze.check_accuracy(model, x)
@@ -307,3 +309,71 @@ def test_global_average_pools_of_channels_last_pixels_keep_the_contract(shape, a
     assert out.shape == ref.shape and out.stride() == ref.stride()
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
     assert measure(out, ref, model(x.double())).ok
+
+
+def _depthwise_case(shape, kernel, stride, padding, bias):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(shape[1], shape[1], kernel, stride, padding, groups=shape[1], bias=bias).eval()
+    x = torch.randn(*shape).contiguous(memory_format=torch.channels_last)
+    if x.numel() > 2:
+        x[0, 0, 0, 0], x[-1, -1, -1, -1], x[0, -1, 0, -1] = float("nan"), float("inf"), -float("inf")
+    return conv, x
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "shape, kernel, stride, padding",
+    [
+        ((1, 1, 5, 5), 3, 1, 1),
+        ((1, 7, 1, 1), 3, 1, 1),
+        ((2, 15, 17, 9), 3, 2, 1),
+        ((1, 16, 33, 33), 5, 2, 2),
+        ((3, 17, 8, 8), (3, 5), (1, 2), (0, 2)),
+        ((1, 33, 7, 7), 5, 1, 2),
+        ((1, 65, 16, 16), 7, 1, 3),
+        ((1, 64, 6, 6), 1, 1, 0),
+        ((1, 20, 5, 3), 3, 1, 4),
+        ((0, 16, 7, 7), 3, 1, 1),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, stride, padding, bias, threads):
+    """Channel counts across 1-4 vectors and partial ones, windows larger than the image,
+    strides, padding past the window, several images, none; NaN and infinities, 1 and 2
+    threads: depthwise.py's kernel, within the contract (NaN and infinities where eager's)."""
+    conv, x = _depthwise_case(shape, kernel, stride, padding, bias)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = braze.compile(conv, mode="fast")
+        with torch.no_grad():
+            out, ref = compiled(x), conv(x)
+    finally:
+        torch.set_num_threads(before)
+    (prog,) = compiled.programs()
+    assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.DEPTHWISE) == 1
+    assert out.shape == ref.shape and out.stride() == ref.stride()
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isposinf(), ref.isposinf())
+    with torch.no_grad():
+        assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
+
+
+def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monkeypatch):
+    """Above DEPTHWISE_FLOPS oneDNN's call wins; below, the kernel reads the model's weight at
+    each call, so a weight changed in place changes the answer."""
+    from braze.lowering import conv as lowering_conv
+
+    model, x = _depthwise_case((1, 24, 14, 14), 3, 1, 1, True)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+        model.weight.mul_(-2)
+        out, ref = compiled(x), model(x)
+        assert measure(out, ref, copy.deepcopy(model).double()(x.double())).ok
+    assert not compiled.programs()[0].externs
+    monkeypatch.setattr(lowering_conv, "DEPTHWISE_FLOPS", 0)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]
