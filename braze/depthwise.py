@@ -27,26 +27,28 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I32, I64, PTR, VOID, counted_loop, declared, fma
-from .rows import lanes_below
+from .codegen import (
+    F32,
+    I32,
+    I64,
+    LANES16,
+    PTR,
+    VOID,
+    counted_loop,
+    declared,
+    fma,
+    lanes_below,
+    masked_load,
+    masked_store,
+)
 
 KERNEL = "braze_depthwise_conv2d"
 ARGS = 14  # h, w, c, oh, ow, kh, kw, sh, sw, ph, pw, has_bias, lo, hi
 LANES = 16
 GROUP = 4  # channel vectors at a time
 BLOCK = 4  # output pixels at a time, inside the image
-V16 = ll.VectorType(F32, LANES)
+V16 = LANES16
 ZERO = ll.Constant(V16, [0.0] * LANES)
-
-
-def _load(b: ll.IRBuilder, ptr: ll.Value, mask: ll.Value) -> ll.Value:
-    load = declared(b.module, "llvm.masked.load.v16f32.p0", V16, [PTR, I32, mask.type, V16])
-    return b.call(load, [ptr, I32(4), mask, ZERO])
-
-
-def _store(b: ll.IRBuilder, value: ll.Value, ptr: ll.Value, mask: ll.Value) -> None:
-    store = declared(b.module, "llvm.masked.store.v16f32.p0", VOID, [V16, PTR, I32, mask.type])
-    b.call(store, [value, ptr, I32(4), mask])
 
 
 def _gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mask: ll.Value) -> ll.Value:
@@ -146,7 +148,7 @@ def _group(b: ll.IRBuilder, k: _Call, n: int, first: ll.Value) -> list[ll.Value]
             filt = _gather(b, k.w, b.add(b.mul(c0, taps), t), taps, mask)
             b.store(filt, b.gep(k.filters, [b.add(b.mul(t, I64(GROUP)), I64(v))], source_etype=V16))
         seeded = b.and_(mask, b.select(some, ll.Constant(mask.type, [1] * LANES), ll.Constant(mask.type, [0] * LANES)))
-        seed = _load(b, b.gep(k.bias, [c0], source_etype=F32), seeded)  # no bias: no lane read
+        seed = masked_load(b, b.gep(k.bias, [c0], source_etype=F32), seeded)  # no bias: no lane read
         b.store(seed, b.gep(k.seeds, [I64(v)], source_etype=V16))
     return masks
 
@@ -186,13 +188,13 @@ def _pixels(b: ll.IRBuilder, k: _Call, n: int, pixels: int, col: ll.Value, at_ro
             for p in range(pixels):
                 at = b.mul(b.add(line, b.add(b.add(left, b.mul(I64(p), k.sw)), j)), k.c)
                 for v in range(n):
-                    xv = _load(b, b.gep(src, [b.add(at, I64(LANES * v))], source_etype=F32), masks[v])
+                    xv = masked_load(b, b.gep(src, [b.add(at, I64(LANES * v))], source_etype=F32), masks[v])
                     b.store(fma(b, xv, filters[v], b.load(acc[p][v], typ=V16)), acc[p][v])
     for p in range(pixels):
         at = b.mul(b.add(col, I64(p)), k.c)
         for v in range(n):
             out = b.gep(dst, [b.add(at, I64(LANES * v))], source_etype=F32)
-            _store(b, b.load(acc[p][v], typ=V16), out, masks[v])
+            masked_store(b, b.load(acc[p][v], typ=V16), out, masks[v])
 
 
 def library(kernel: str) -> int:

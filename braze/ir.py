@@ -56,8 +56,8 @@ class Op(enum.Enum):
     # n, rows, log
     SOFTMAX = "softmax"
     SUM = "sum"  # each row of inputs[0] (contiguous, attrs n long) summed as ATen; attrs: n, rows, mean
-    # max_pool2d of each [H, W] plane of inputs[0] (contiguous), as ATen (pool.py); attrs: kernel,
-    # stride, padding, dilation (pairs)
+    # max_pool2d of each [H, W] plane of inputs[0] (contiguous), or with attrs pixels of its
+    # channels-last pixels, as ATen (pool.py); attrs: kernel, stride, padding, dilation (pairs)
     MAX_POOL = "max_pool"
     # Fast mode's depthwise convolution (depthwise.py) of channels-last inputs[0] by the
     # contiguous [C, 1, KH, KW] weight inputs[1], plus the bias inputs[2] if there is one; attrs:

@@ -7,6 +7,11 @@ built once per process into the JIT and called by programs.
         clipped to the image, walked row by row from -inf, a value taken when it is greater than
         the maximum so far or NaN (so NaN propagates, and of equal values the first stays)
 
+    braze_max_pool2d_pixels(x, y, c, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi)
+        output rows lo..hi (image * oh + row) of a channels-last [N, OH, OW, C] y from a
+        channels-last [N, H, W, C] x: the same windows and rule, 16 channels a vector (fast
+        mode's; ATen's channels-last loop has the same order)
+
 A maximum computes nothing, but its NaN rule, which of two equal zeros it keeps and the clipping
 of windows are ATen's choices: a probe (`max_pool_same`) compares the kernel with ATen before any
 program uses it.
@@ -21,10 +26,11 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I64, PTR, VOID, counted_loop
+from .codegen import F32, I64, LANES16, PTR, VOID, counted_loop, lanes_below, masked_load, masked_store
 
 MAX_POOL = "braze_max_pool2d_planes"
 ARGS = 14  # h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi
+MAX_POOL_PIXELS = "braze_max_pool2d_pixels"  # c, then ARGS
 
 
 def _first_inside(b: ll.IRBuilder, start: ll.Value, step: ll.Value) -> ll.Value:
@@ -58,16 +64,45 @@ def _max_pool(module: ll.Module) -> None:
                 b.store(F32(float("-inf")), best)
                 with counted_loop(b, row0, row1, dh) as r, counted_loop(b, col0, col1, dw) as c:
                     v = b.load(b.gep(src, [b.add(b.mul(r, w), c)], source_etype=F32), typ=F32)
-                    m = b.load(best, typ=F32)
-                    take = b.or_(b.fcmp_ordered(">", v, m), b.fcmp_unordered("uno", v, v))
-                    b.store(b.select(take, v, m), best)
+                    b.store(_greater_or_nan(b, v, b.load(best, typ=F32)), best)
                 b.store(b.load(best, typ=F32), b.gep(dst, [b.add(b.mul(i, ow), j)], source_etype=F32))
+    b.ret_void()
+
+
+def _greater_or_nan(b: ll.IRBuilder, v: ll.Value, best: ll.Value) -> ll.Value:
+    """ATen's update of a window's maximum: v where it is greater or NaN."""
+    return b.select(b.or_(b.fcmp_ordered(">", v, best), b.fcmp_unordered("uno", v, v)), v, best)
+
+
+def _max_pool_pixels(module: ll.Module) -> None:
+    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR] + [I64] * (ARGS + 1)), MAX_POOL_PIXELS)
+    x, y, c, h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, lo, hi = fn.args
+    b = ll.IRBuilder(fn.append_basic_block("entry"))
+    with b.goto_entry_block():
+        best = b.alloca(LANES16)
+    vectors = b.sdiv(b.add(c, I64(15)), I64(16))
+    with counted_loop(b, lo, hi) as r:
+        image, i = b.sdiv(r, oh), b.srem(r, oh)
+        src = b.gep(x, [b.mul(image, b.mul(b.mul(h, w), c))], source_etype=F32)
+        row0, row1 = _window(b, i, h, kh, sh, ph, dh)
+        with counted_loop(b, I64(0), ow) as j:
+            col0, col1 = _window(b, j, w, kw, sw, pw, dw)
+            dst = b.gep(y, [b.mul(b.add(b.mul(r, ow), j), c)], source_etype=F32)
+            with counted_loop(b, I64(0), vectors) as v:
+                first = b.mul(v, I64(16))
+                mask = lanes_below(b, b.sub(c, first))
+                b.store(ll.Constant(LANES16, [float("-inf")] * 16), best)
+                with counted_loop(b, row0, row1, dh) as rr, counted_loop(b, col0, col1, dw) as cc:
+                    at = b.add(b.mul(b.add(b.mul(rr, w), cc), c), first)
+                    value = masked_load(b, b.gep(src, [at], source_etype=F32), mask)
+                    b.store(_greater_or_nan(b, value, b.load(best, typ=LANES16)), best)
+                masked_store(b, b.load(best, typ=LANES16), b.gep(dst, [first], source_etype=F32), mask)
     b.ret_void()
 
 
 def library(kernel: str) -> int:
     """The address of pooling kernel `kernel` (jit.kernel: built alone when first needed)."""
-    return jit.kernel(kernel, {MAX_POOL: _max_pool}[kernel])
+    return jit.kernel(kernel, {MAX_POOL: _max_pool, MAX_POOL_PIXELS: _max_pool_pixels}[kernel])
 
 
 def max_pool2d_planes(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple, out: tuple):
@@ -80,10 +115,21 @@ def max_pool2d_planes(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tu
     return y
 
 
+def max_pool2d_pixels(x: torch.Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple, out: tuple):
+    """The native max pool of a channels-last float32 [N, C, H, W] x into [N, C, *out] (tests)."""
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * (ARGS + 1))
+    n, c, h, w = x.shape
+    y = torch.empty(n, c, *out).contiguous(memory_format=torch.channels_last)
+    pooled = (h, w, *out, *kernel, *stride, *padding, *dilation, 0, n * out[0])
+    fn(library(MAX_POOL_PIXELS))(x.data_ptr(), y.data_ptr(), c, *pooled)
+    return y
+
+
 def max_pool_same() -> bool:
-    """Whether the native max pool gives ATen's bits here: windows with padding, dilation, strides
-    and ceil mode, NaN, infinities, signed zeros and ties. Once per process (planes are split
-    between threads in both: the split cannot change bits)."""
+    """Whether the native max pools (of planes, of channels-last pixels) give ATen's bits here:
+    windows with padding, dilation, strides and ceil mode, NaN, infinities, signed zeros and
+    ties, 2 and 17 channels. Once per process (work is split between threads by whole planes or
+    rows in both: the split cannot change bits)."""
     return _max_pool_same()
 
 
@@ -102,4 +148,9 @@ def _max_pool_same() -> bool:
         pairs = [torch.nn.modules.utils._pair(v) for v in (k, s, p, d)]
         if not jit.same_bits(max_pool2d_planes(x, *pairs, tuple(want.shape[-2:])), want):
             return False
+        for xs in (x, x.reshape(1, 6, 9, 11).repeat(1, 3, 1, 1)[:, :17]):
+            pixels = xs.contiguous(memory_format=torch.channels_last)
+            want = torch.nn.functional.max_pool2d(pixels, k, s, p, d, ceil_mode=ceil)
+            if not jit.same_bits(max_pool2d_pixels(pixels, *pairs, tuple(want.shape[-2:])), want):
+                return False
     return True

@@ -33,7 +33,7 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I32, I64, PTR, VOID, counted_loop, declared, fma
+from .codegen import F32, I32, I64, PTR, VOID, counted_loop, declared, fma, lanes_below, masked_load, masked_store
 from .sleef import GRAIN
 
 LANES = 8  # ATen's layer_norm kernel is an AVX2 build here: Vectorized<float> has 8 lanes
@@ -230,24 +230,12 @@ def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
     return b.select(b.fcmp_unordered("uno", x, y), ones, b.select(b.fcmp_ordered(">", x, y), x, y))
 
 
-def lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
-    """The 16 lanes' mask: lane i < count."""
-    lanes = ll.Constant(ll.VectorType(I32, WIDE), list(range(WIDE)))
-    one = ll.Constant(ll.VectorType(I32, 1), ll.Undefined)
-    limit = b.shuffle_vector(
-        b.insert_element(one, b.trunc(count, I32), I64(0)), one, ll.Constant(ll.VectorType(I32, WIDE), [0] * WIDE)
-    )
-    return b.icmp_signed("<", lanes, limit)
-
-
 def _partial(b: ll.IRBuilder, ptr: ll.Value, count: ll.Value, store: ll.Value | None = None) -> ll.Value | None:
     """Vectorized::loadu(ptr, count) (lanes past count are 0) or store(ptr, count)."""
     mask = lanes_below(b, count)
     if store is None:
-        load = declared(b.module, "llvm.masked.load.v16f32.p0", V16, [PTR, I32, mask.type, V16])
-        return b.call(load, [ptr, I32(4), mask, ll.Constant(V16, [0.0] * WIDE)])
-    write = declared(b.module, "llvm.masked.store.v16f32.p0", VOID, [V16, PTR, I32, mask.type])
-    b.call(write, [store, ptr, I32(4), mask])
+        return masked_load(b, ptr, mask)
+    masked_store(b, store, ptr, mask)
     return None
 
 

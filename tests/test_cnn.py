@@ -148,12 +148,19 @@ WINDOWS = [
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 7, 9), (3, 17, 33, 16), (5, 15, 15)], ids=str)
-def test_max_pool2d_is_native_with_atens_bits(window, shape):
+@pytest.mark.parametrize(
+    "shape, layout",
+    [(s, "planes") for s in [(1, 1, 1, 1), (2, 3, 7, 9), (3, 17, 33, 16), (5, 15, 15)]]
+    + [(s, "pixels") for s in [(2, 3, 7, 9), (3, 17, 33, 16), (1, 40, 5, 4)]],
+    ids=str,
+)
+def test_max_pool2d_is_native_with_atens_bits(window, shape, layout):
     if window["kernel_size"] != 1 and min(shape[-2:]) < 3:
         pytest.skip("window larger than the image: eager raises (tested below)")
     x = special(*shape) * 3
     x.view(-1)[::5] = torch.round(x.view(-1)[::5])  # ties between equal values
+    if layout == "pixels":
+        x = x.contiguous(memory_format=torch.channels_last)
     fn = nn.MaxPool2d(**window)
     check_model(fn, (x,), kernels=1, externs=0)
     _same_bits(braze.compile(fn), fn, x)
@@ -166,13 +173,14 @@ def test_max_pool2d_splits_planes_between_threads(n, threads):
     x = special(8, 64, 64, 64)
     check_model(nn.MaxPool2d(2), (x,), kernels=1, externs=0)
     check_model(nn.MaxPool2d(3, 2, 1), (special(1, 3, 97, 101),), kernels=1, externs=0)
+    check_model(nn.MaxPool2d(2), (x.contiguous(memory_format=torch.channels_last),), kernels=1, externs=0)
 
 
 def test_max_pool2d_cases_braze_leaves_to_aten():
     x = special(2, 3, 8, 8)
     check_model(lambda t: F.max_pool2d(t, 2, return_indices=True), (x,), externs=1)
-    check_model(nn.MaxPool2d(2), (x.to(memory_format=torch.channels_last),), externs=1)
     check_model(nn.MaxPool2d(2), (x.transpose(-1, -2),), externs=1)
+    check_model(nn.MaxPool2d(2), (x.to(memory_format=torch.channels_last).transpose(-1, -2),), externs=1)
     check_model(nn.MaxPool2d(2), (torch.randn(0, 3, 8, 8),), externs=1)  # empty result
     with pytest.raises(RuntimeError):
         braze.compile(nn.MaxPool2d(3))(torch.randn(1, 1, 2, 2))
@@ -184,10 +192,11 @@ def test_max_pool2d_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
     assert "probe" in compiled.programs()[0].externs[0][1]
 
 
-def test_the_max_pool_probe_can_fail(monkeypatch):
-    real = pool.max_pool2d_planes
+@pytest.mark.parametrize("kernel", ["max_pool2d_planes", "max_pool2d_pixels"])
+def test_the_max_pool_probe_can_fail(monkeypatch, kernel):
+    real = getattr(pool, kernel)
     wrong = lambda *a: real(*a).nan_to_num()  # noqa: E731  NaN not propagated
-    assert not probe_with(monkeypatch, pool, "max_pool2d_planes", wrong, pool.max_pool_same, pool._max_pool_same)
+    assert not probe_with(monkeypatch, pool, kernel, wrong, pool.max_pool_same, pool._max_pool_same)
     assert pool.max_pool_same()
 
 

@@ -35,6 +35,7 @@ from .loops import (
     I8,
     I32,
     I64,
+    LANES16,
     PTR,
     VOID,
     WIDTH,
@@ -46,6 +47,9 @@ from .loops import (
     counted_loop,
     declared,
     fma,
+    lanes_below,
+    masked_load,
+    masked_store,
 )
 
 __all__ = [
@@ -54,6 +58,7 @@ __all__ = [
     "I8",
     "I32",
     "I64",
+    "LANES16",
     "PTR",
     "VOID",
     "Access",
@@ -62,6 +67,9 @@ __all__ = [
     "counted_loop",
     "declared",
     "fma",
+    "lanes_below",
+    "masked_load",
+    "masked_store",
 ]
 
 
@@ -356,16 +364,21 @@ class ModuleBuilder:
                 kb.call(self.kernel(rows, name, [PTR, PTR, I64, I64, I64]), [*ptrs, n, lo, hi])
 
     def _max_pool(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """pool.py's kernel over the [H, W] planes, split between ATen's threads as loops are
-        (each plane is pooled whole by one thread: the split cannot change bits)."""
+        """pool.py's kernel over the [H, W] planes (or the output rows of channels-last pixels),
+        split between ATen's threads as loops are (each plane or row is pooled whole by one
+        thread: the split cannot change bits)."""
         from .. import pool  # built on this module's helpers
 
-        with self._ranged(b, table, "max_pool", k.meta.numel, math.prod(k.meta.shape[:-2])) as (kb, tbl, lo, hi):
+        x, pixels = self.slot_of(k.inputs[0]).meta, k.attrs["pixels"]
+        total = math.prod((k.meta.shape[0], k.meta.shape[2]) if pixels else k.meta.shape[:-2])
+        with self._ranged(b, table, "max_pool", k.meta.numel, total) as (kb, tbl, lo, hi):
             ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (k.inputs[0], k.name)]
-            shape = (*self.slot_of(k.inputs[0]).meta.shape[-2:], *k.meta.shape[-2:])
+            shape = (*x.shape[-2:], *k.meta.shape[-2:])
             window = [I64(v) for key in ("kernel", "stride", "padding", "dilation") for v in k.attrs[key]]
-            fn = self.kernel(pool, pool.MAX_POOL, [PTR, PTR] + [I64] * pool.ARGS)
-            kb.call(fn, [*ptrs, *(self.dim(kb, tbl, d) for d in shape), *window, lo, hi])
+            sizes = [self.dim(kb, tbl, d) for d in ((x.shape[1],) if pixels else ()) + shape]
+            name, n_args = (pool.MAX_POOL_PIXELS, pool.ARGS + 1) if pixels else (pool.MAX_POOL, pool.ARGS)
+            fn = self.kernel(pool, name, [PTR, PTR] + [I64] * n_args)
+            kb.call(fn, [*ptrs, *sizes, *window, lo, hi])
 
     def _depthwise(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """depthwise.py's kernel over the output rows (of every image), split between threads."""

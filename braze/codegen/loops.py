@@ -311,6 +311,31 @@ def fma(b: ll.IRBuilder, x: ll.Value, y: ll.Value, z: ll.Value) -> ll.Value:
     return _intrinsic(b, "fma", x, y, z)
 
 
+LANES16 = ll.VectorType(F32, 16)  # an AVX-512 register of float32, for the library kernels
+
+
+def lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
+    """The 16 lanes' mask: lane i < count."""
+    lanes = ll.Constant(ll.VectorType(I32, 16), list(range(16)))
+    one = ll.Constant(ll.VectorType(I32, 1), ll.Undefined)
+    limit = b.shuffle_vector(
+        b.insert_element(one, b.trunc(count, I32), I64(0)), one, ll.Constant(ll.VectorType(I32, 16), [0] * 16)
+    )
+    return b.icmp_signed("<", lanes, limit)
+
+
+def masked_load(b: ll.IRBuilder, ptr: ll.Value, mask: ll.Value, fill: float = 0.0) -> ll.Value:
+    """16 floats from ptr, lanes outside mask not read (and `fill`)."""
+    load = declared(b.module, "llvm.masked.load.v16f32.p0", LANES16, [PTR, I32, mask.type, LANES16])
+    return b.call(load, [ptr, I32(4), mask, ll.Constant(LANES16, [fill] * 16)])
+
+
+def masked_store(b: ll.IRBuilder, value: ll.Value, ptr: ll.Value, mask: ll.Value) -> None:
+    """value's lanes inside mask stored from ptr on."""
+    store = declared(b.module, "llvm.masked.store.v16f32.p0", VOID, [LANES16, PTR, I32, mask.type])
+    b.call(store, [value, ptr, I32(4), mask])
+
+
 _COMPARE = {Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.EQ: "=="}
 
 _ARITH = {

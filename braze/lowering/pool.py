@@ -1,6 +1,7 @@
-"""Pooling rows: max_pool2d through braze's pooling kernel (braze/pool.py), where a probe shows
-it gives ATen's bits; adaptive_avg_pool2d to 1 x 1 as the mean ATen computes, and in fast mode,
-of channels-last activations, as a GEMM of a row of ones by the pixel rows."""
+"""Pooling rows: max_pool2d through braze's pooling kernels (braze/pool.py: of contiguous planes,
+of channels-last pixels), where a probe shows they give ATen's bits; adaptive_avg_pool2d to
+1 x 1 as the mean ATen computes, and in fast mode, of channels-last activations, as a GEMM of a
+row of ones by the pixel rows."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         raise NotNative("max_pool2d returning indices")
     if not (is_float32(x) and x.meta.dim() in (3, 4)):
         raise NotNative("max_pool2d of a tensor that is not float32 (C, H, W) or (N, C, H, W)")
-    if not x.meta.is_contiguous() or not isinstance(out, torch.Tensor) or not out.is_contiguous():
-        raise NotNative("max_pool2d of a strided or channels-last input (ATen's other loop)")
+    pixels = x.meta.dim() == 4 and _pixel_rows(x.meta, out) and not x.meta.is_contiguous()
+    planes = x.meta.is_contiguous() and isinstance(out, torch.Tensor) and out.is_contiguous()
+    if not (planes or pixels):
+        raise NotNative("max_pool2d of a strided input (ATen's other loop)")
     kernel = _pair(given["kernel_size"])
     stride = _pair(given.get("stride") or kernel)  # None or [] means the kernel size, as in ATen
     padding, dilation = _pair(given.get("padding", 0)), _pair(given.get("dilation", 1))
@@ -43,7 +46,8 @@ def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         raise NotNative("max_pool2d with an empty result")
     if not pool.max_pool_same():
         raise NotNative("a probe found braze's max_pool2d does not give ATen's bits here")
-    return lw.emit(Op.MAX_POOL, (x.name,), out, kernel=kernel, stride=stride, padding=padding, dilation=dilation)
+    window = {"kernel": kernel, "stride": stride, "padding": padding, "dilation": dilation}
+    return lw.emit(Op.MAX_POOL, (x.name,), out, pixels=pixels, **window)
 
 
 def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
