@@ -11,8 +11,8 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
     1 x 1    a 1 x 1 convolution of channels-last pixels is instead braze's GEMM (MKL's sgemm_)
              of those rows (lowering/conv.py): at MobileNet-V3's sizes a oneDNN call costs ~40 us,
              most of it the call; their global average pool, a GEMM of ones (lowering/pool.py)
-    dw       a depthwise convolution of channels-last pixels up to 8 MFLOP: braze's kernel
-             (depthwise.py)
+    direct   a depthwise convolution of channels-last pixels up to 8 MFLOP, and one of an NCHW
+             input of up to 4 channels (a network's first): braze's kernels (directconv.py)
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 

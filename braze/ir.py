@@ -59,10 +59,11 @@ class Op(enum.Enum):
     # max_pool2d of each [H, W] plane of inputs[0] (contiguous), or with attrs pixels of its
     # channels-last pixels, as ATen (pool.py); attrs: kernel, stride, padding, dilation (pairs)
     MAX_POOL = "max_pool"
-    # Fast mode's depthwise convolution (depthwise.py) of channels-last inputs[0] by the
-    # contiguous [C, 1, KH, KW] weight inputs[1], plus the bias inputs[2] if there is one; attrs:
-    # kernel, stride, padding (pairs; no dilation)
-    DEPTHWISE = "depthwise"
+    # Fast mode's direct convolution (directconv.py) of inputs[0] by the contiguous weight
+    # inputs[1], plus the bias inputs[2] if there is one, into a channels-last result: with attrs
+    # depthwise, [C, 1, KH, KW] on channels-last pixels; else [C, CIN, KH, KW] on a contiguous
+    # NCHW input of few channels. attrs: kernel, stride, padding (pairs; no dilation)
+    CONV = "conv"
     # Rows of inputs[1] (2-D, rows contiguous) copied out in the order of the int64/int32 indices
     # inputs[0], as ATen's embedding; an index outside [0, attrs rows) raises eager's IndexError.
     EMBEDDING = "embedding"
@@ -88,7 +89,7 @@ KERNELS = (
             Op.SOFTMAX,
             Op.SUM,
             Op.MAX_POOL,
-            Op.DEPTHWISE,
+            Op.CONV,
             Op.EMBEDDING,
         }
     )

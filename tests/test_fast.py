@@ -182,7 +182,8 @@ def _cnn() -> nn.Module:
             bn.weight.normal_()
         return [nn.Conv2d(cin, cout, 3, padding=1, **kw), bn, nn.ReLU(inplace=True)]
 
-    layers = block(3, 16) + [nn.MaxPool2d(2)] + block(16, 16, groups=4, bias=False) + block(16, 32)
+    # 5 input channels: more than directconv.py takes, so every convolution is a packed oneDNN call
+    layers = block(5, 16) + [nn.MaxPool2d(2)] + block(16, 16, groups=4, bias=False) + block(16, 32)
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
 
 
@@ -191,7 +192,7 @@ def _folded(compiled) -> list[str]:
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
-@pytest.mark.parametrize("shape", [(1, 3, 16, 16), (5, 3, 33, 17)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 5, 16, 16), (5, 5, 33, 17)], ids=str)
 def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape):
     model = _cnn()
     x = torch.randn(*shape) * scale
@@ -207,7 +208,7 @@ def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape)
 @torch.no_grad()
 def test_changed_statistics_and_weights_are_folded_again():
     model = _cnn()
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 5, 16, 16)
     compiled = braze.compile(model, mode="fast")
     compiled(x)
     model[1].running_var.mul_(4.0)
@@ -225,7 +226,7 @@ def test_changed_statistics_and_weights_are_folded_again():
 
 def test_exact_mode_leaves_convolutions_to_aten_and_torchdynamo_graphs_fold():
     model = _cnn()
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 5, 16, 16)
     exact = braze.compile(model)
     with torch.no_grad():
         assert torch.equal(exact(x), model(x))
@@ -270,21 +271,21 @@ def _mobile() -> nn.Module:
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
-@pytest.mark.parametrize("shape", [(1, 3, 32, 32), (3, 3, 17, 29)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 32, 64), (3, 3, 17, 66)], ids=str)
 def test_pointwise_convolutions_are_gemms_within_the_contract(scale, shape):
     """Fast mode: 1 x 1 convolutions of channels-last activations are braze's GEMMs, the
     BatchNorm after them native, each global average pool a GEMM of ones by the pixel rows (a
-    batched one for several images), the depthwise convolutions depthwise.py's: only the first
-    convolution, of the NCHW input, stays a oneDNN call."""
+    batched one for several images), the depthwise convolutions and the first (of the 3-channel
+    NCHW input) directconv.py's: no oneDNN call is left."""
     model = _mobile()
     x = torch.randn(*shape) * scale
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         compiled(x)
     (prog,) = compiled.programs()
-    assert [label for label, _ in prog.externs] == ["conv2d (oneDNN, packed weight)"]
+    assert not prog.externs
     ops = [n.op for n in prog.graph.nodes]
-    assert ops.count(Op.DEPTHWISE) == 2
+    assert ops.count(Op.CONV) == 3
     pools = 3 if shape[0] > 1 else 0
     assert (ops.count(Op.GEMM), ops.count(Op.BMM)) == (11 - pools, pools)
     report = braze.check_accuracy(model, x)
@@ -341,7 +342,7 @@ def _depthwise_case(shape, kernel, stride, padding, bias):
 def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, stride, padding, bias, threads):
     """Channel counts across 1-4 vectors and partial ones, windows larger than the image,
     strides, padding past the window, several images, none; NaN and infinities, 1 and 2
-    threads: depthwise.py's kernel, within the contract (NaN and infinities where eager's)."""
+    threads: directconv.py's kernel, within the contract (NaN and infinities where eager's)."""
     conv, x = _depthwise_case(shape, kernel, stride, padding, bias)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -352,7 +353,7 @@ def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, st
     finally:
         torch.set_num_threads(before)
     (prog,) = compiled.programs()
-    assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.DEPTHWISE) == 1
+    assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.CONV) == 1
     assert out.shape == ref.shape and out.stride() == ref.stride()
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isposinf(), ref.isposinf())
     with torch.no_grad():
@@ -376,4 +377,53 @@ def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monk
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         compiled(x)
+    assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "cin, cout, shape, kernel, stride, padding",
+    [
+        (3, 16, (1, 224, 224), 3, 2, 1),
+        (3, 32, (2, 17, 33), 3, 1, 1),
+        (1, 5, (1, 1, 32), 3, 1, 1),
+        (2, 17, (3, 9, 70), (3, 5), (1, 2), (2, 0)),
+        (4, 33, (1, 15, 67), 7, 2, 3),
+        (3, 64, (1, 8, 40), 1, 1, 0),
+        (3, 8, (0, 8, 40), 3, 1, 1),
+    ],
+    ids=str,
+)
+def test_convolutions_of_few_channels_are_native_within_the_contract(
+    cin, cout, shape, kernel, stride, padding, threads
+):
+    """A network's first convolution, on its NCHW image of up to 4 channels: directconv.py's
+    kernel into channels-last pixels (one output channel to three vectors, windows larger than
+    the image, several images, none; NaN and infinities), within the contract."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, kernel, stride, padding).eval()
+    x = torch.randn(shape[0], cin, *shape[1:])
+    if x.numel() > 2:
+        x[0, 0, 0, 0], x[-1, -1, -1, -1] = float("nan"), float("inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = braze.compile(conv, mode="fast")
+        with torch.no_grad():
+            out, ref = compiled(x), conv(x)
+            assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
+    finally:
+        torch.set_num_threads(before)
+    (prog,) = compiled.programs()
+    assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.CONV) == 1
+    assert out.shape == ref.shape and out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+
+
+@pytest.mark.parametrize("cin, width", [(5, 40), (3, 31)])
+def test_convolutions_of_more_channels_or_narrow_rows_stay_onednn(cin, width):
+    conv = nn.Conv2d(cin, 8, 3, padding=1).eval()
+    compiled = braze.compile(conv, mode="fast")
+    with torch.no_grad():
+        compiled(torch.randn(1, cin, 9, width))
     assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]

@@ -380,21 +380,23 @@ class ModuleBuilder:
             fn = self.kernel(pool, name, [PTR, PTR] + [I64] * n_args)
             kb.call(fn, [*ptrs, *sizes, *window, lo, hi])
 
-    def _depthwise(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """depthwise.py's kernel over the output rows (of every image), split between threads."""
-        from .. import depthwise  # built on this module's helpers
+    def _conv(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """directconv.py's kernel over the output rows (of every image), split between threads."""
+        from .. import directconv  # built on this module's helpers
 
         x, out = self.slot_of(k.inputs[0]).meta, k.meta
         rows = math.prod((out.shape[0], out.shape[2]))
-        with self._ranged(b, table, "depthwise", out.numel, rows) as (kb, tbl, lo, hi):
+        name = directconv.DEPTHWISE if k.attrs["depthwise"] else directconv.FEW
+        few = () if k.attrs["depthwise"] else (x.shape[1],)  # its input channels
+        with self._ranged(b, table, "conv", out.numel, rows) as (kb, tbl, lo, hi):
             ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in k.inputs[:2]]
             bias = self.pointer(kb, tbl, self.slot_of(k.inputs[2])) if len(k.inputs) > 2 else ll.Constant(PTR, None)
-            sizes = (x.shape[2], x.shape[3], x.shape[1], out.shape[2], out.shape[3])
-            window = [I64(v) for key in ("kernel", "stride", "padding") for v in k.attrs[key]]
-            fn = self.kernel(depthwise, depthwise.KERNEL, [PTR] * 4 + [I64] * depthwise.ARGS)
             y = self.pointer(kb, tbl, self.slot_of(k.name))
-            dims_ = [self.dim(kb, tbl, d) for d in sizes]
-            kb.call(fn, [*ptrs, bias, y, *dims_, *window, I64(len(k.inputs) - 2), lo, hi])
+            dims_ = [self.dim(kb, tbl, d) for d in (x.shape[2], x.shape[3], out.shape[1], out.shape[2], out.shape[3])]
+            window = [I64(v) for key in ("kernel", "stride", "padding") for v in k.attrs[key]]
+            fn = self.kernel(directconv, name, [PTR] * 4 + [I64] * (directconv.ARGS + len(few)))
+            has_bias = I64(len(k.inputs) - 2)
+            kb.call(fn, [*ptrs, bias, y, *dims_, *window, has_bias, lo, hi, *(self.dim(kb, tbl, d) for d in few)])
 
     def _embedding(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """Each index's row of the weight copied to the output's next row; an index outside
@@ -546,7 +548,7 @@ _EMITTERS = {
     Op.SUM: "_rows",
     Op.ACTIVATION: "_activation",
     Op.MAX_POOL: "_max_pool",
-    Op.DEPTHWISE: "_depthwise",
+    Op.CONV: "_conv",
     Op.EMBEDDING: "_embedding",
 }
 

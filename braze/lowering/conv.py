@@ -48,10 +48,15 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         and (padding, stride, groups) == ([0, 0], [1, 1], 1)
     ):
         return _pointwise(lw, x, w, b, out)
-    if _depthwise(x, w, b, out, groups, dilation):
+    direct = _direct(x, w, b, out, groups, dilation)
+    if direct is not None:
         inputs = (x.name, w.name) + (() if b is None else (b.name,))
         window = {"kernel": tuple(w.meta.shape[2:]), "stride": tuple(stride), "padding": tuple(padding)}
-        return lw.emit(Op.DEPTHWISE, inputs, out, **window)
+        sym = lw.emit(Op.CONV, inputs, direct[0], depthwise=direct[1], **window)
+        if direct[0] is not out:  # the example value in the layout computed (eager's is NCHW)
+            real = F.conv2d(*lw.live((x, w, b)), stride=stride, padding=padding)
+            lw.real[sym.name] = real.contiguous(memory_format=torch.channels_last)
+        return sym
     packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
     why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
     return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
@@ -63,22 +68,34 @@ def _pixel_rows(x: torch.Tensor, out: Any) -> bool:
     return len(rows) == 2 and all(r.is_contiguous() for r in rows)
 
 
-# Above this many flops oneDNN's depthwise convolution wins: its call costs ~30 us, but it runs
-# at ~200 GFLOP/s on two threads where depthwise.py's kernel runs at ~120 (ConvNeXt-atto's 7 x 7
-# on 40 channels at 56 x 56, 12 MFLOP: 105 us against 110; MobileNet-V3's, 1 MFLOP and under:
-# 15-30 us against 35-45, one thread).
+# Above this many flops oneDNN's convolution wins: its call costs ~30 us, but it runs at ~200
+# GFLOP/s on two threads where directconv.py's depthwise kernel runs at ~120 (ConvNeXt-atto's
+# 7 x 7 on 40 channels at 56 x 56, 12 MFLOP: 105 us against 110; MobileNet-V3's, 1 MFLOP and
+# under: 15-30 us against 35-45, one thread).
 DEPTHWISE_FLOPS = 8_000_000
+# directconv.py takes an NCHW input of up to FEW_CHANNELS channels into output rows at least
+# FEW_WIDTH wide: its blocks of 8 pixels run at 100-140 GFLOP/s a thread, its lone pixels (past
+# a row's last block) far slower. (On one thread against oneDNN's call on two: MobileNet-V3's
+# 3 x 3 stem 111 vs 147 us, cnn-small's 445 vs 719, ConvNeXt's 4 x 4 patches 111 vs 136,
+# ResNet's 7 x 7 1680 vs 824: even on two; ViT's 16 x 16 patches, 14 a row, 770 vs 276.)
+FEW_CHANNELS = 4
+FEW_WIDTH = 32
 
 
-def _depthwise(x: Sym, w: Sym, b: Any, out: Any, groups: int, dilation: list[int]) -> bool:
-    """Whether this convolution is depthwise.py's: one filter per channel, no dilation, of
-    channels-last pixels, under DEPTHWISE_FLOPS."""
+def _direct(x: Sym, w: Sym, b: Any, out: Any, groups: int, dilation: list[int]) -> tuple[torch.Tensor, bool] | None:
+    """(the channels-last result's layout, whether depthwise) where this convolution is
+    directconv.py's (no dilation, contiguous weight and bias): depthwise (one filter per
+    channel) on channels-last pixels under DEPTHWISE_FLOPS, or of up to FEW_CHANNELS input
+    channels on an NCHW input into rows of FEW_WIDTH pixels or more."""
     c = x.meta.shape[1]
-    if not (groups == c == w.meta.shape[0] and w.meta.shape[1] == 1 and dilation == [1, 1]):
-        return False
-    if not (_pixel_rows(x.meta, out) and w.meta.is_contiguous() and (b is None or b.meta.is_contiguous())):
-        return False
-    return 2 * out.numel() * math.prod(w.meta.shape[2:]) <= DEPTHWISE_FLOPS
+    if dilation != [1, 1] or not w.meta.is_contiguous() or not (b is None or b.meta.is_contiguous()):
+        return None
+    flops = 2 * out.numel() * math.prod(w.meta.shape[1:])
+    if groups == c == w.meta.shape[0] and w.meta.shape[1] == 1 and _pixel_rows(x.meta, out):
+        return (out, True) if flops <= DEPTHWISE_FLOPS else None
+    if groups == 1 and c <= FEW_CHANNELS and out.shape[-1] >= FEW_WIDTH and x.meta.is_contiguous():
+        return torch.empty(out.shape, device="meta").contiguous(memory_format=torch.channels_last), False
+    return None
 
 
 def _pointwise(lw: Lowerer, x: Sym, w: Sym, b: Any, out: torch.Tensor) -> Sym:
