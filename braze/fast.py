@@ -32,6 +32,13 @@ MIN_SPEEDUP = 1.05  # what the packed GEMM must win by to be chosen (timing nois
 # Python body, ATen's dispatch, oneDNN's primitive lookup, and the fusion it prevents (measured:
 # on bert-tiny's 256 x 128 x 128..512 GEMMs, each timed 1.4x faster alone, the model ran 12% slower).
 CALL_COST_S = 25e-6
+# Smaller GEMMs stay MKL's without timing. Timed alone, oneDNN's packed GEMM often wins at the
+# text models' sizes, but inside them it lost (`braze bench`, one run each: BERT at 128 x 256 ->
+# 1024, 33.5 M multiply-adds, chose it and ran 1.14x eager against exact mode's 1.27x;
+# `bert-tiny`'s 16.8 M and `gpt2-tiny`'s 67 M likewise), while `mlp-wide`'s 1.07 G won (1.16x
+# against 1.02x). What loses in a model that wins alone (caches, the call, the fusion it
+# prevents) is not measured per GEMM; below this size the choice is not made.
+PACKED_MIN_MACS = 2**28
 
 
 def _stamp(tensors: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -130,8 +137,10 @@ class PackedConv(Packed):
 
 def packed_linear(packed: PackedLinear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
     """packed(x, w, b) where oneDNN's packed GEMM beats ATen's linear (MKL) at x's rows by w, else
-    None: timed once per shape, layout and thread count, on these tensors (the program's own
+    None: from PACKED_MIN_MACS up, timed once per shape, layout and thread count, on these tensors (the program's own
     weight: `packed` keeps what it packed, which the program's first call then finds in place)."""
+    if x.numel() // max(x.shape[-1], 1) * w.numel() < PACKED_MIN_MACS:
+        return None
     key = (x.numel() // max(x.shape[-1], 1), *w.shape, b is not None, packed.transposed, torch.get_num_threads())
     out = None
     if key not in _TIMED:

@@ -22,6 +22,7 @@ def packing(monkeypatch):
     def choose(wins: bool) -> None:
         monkeypatch.setattr(fast, "_TIMED", {})
         monkeypatch.setattr(fast, "_timed", lambda *tensors: (wins, None))
+        monkeypatch.setattr(fast, "PACKED_MIN_MACS", 0)  # the tests' GEMMs are small
 
     return choose
 
@@ -95,6 +96,17 @@ def test_a_stream_of_batch_sizes_shares_one_generic_program(packing):
         assert _within(compiled, model, torch.randn(batch, 64))
     assert len(compiled.compilations) == 2, [c.why for c in compiled.compilations]
     assert _linears(compiled) == 3 * len(compiled.programs())
+
+
+def test_gemms_below_the_packing_size_are_not_timed(monkeypatch):
+    timed = []
+    monkeypatch.setattr(fast, "_TIMED", {})
+    monkeypatch.setattr(fast, "_timed", lambda *tensors: timed.append(tensors) or (True, None))
+    model = _mlp()  # 64 x 256 and smaller: well below PACKED_MIN_MACS
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(torch.randn(17, 64))
+    assert _linears(compiled) == 0 and not timed and compiled.programs()
 
 
 def test_where_packing_loses_fast_mode_runs_exact_native_code(packing):

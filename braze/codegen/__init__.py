@@ -389,7 +389,7 @@ class ModuleBuilder:
         name = directconv.DEPTHWISE if k.attrs["depthwise"] else directconv.FEW
         few = () if k.attrs["depthwise"] else (x.shape[1],)  # its input channels
         with self._ranged(b, table, "conv", out.numel, rows) as (kb, tbl, lo, hi):
-            ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in k.inputs[:2]]
+            ptrs = [self.pointer(kb, tbl, self.slot_of(v)) for v in k.inputs[:2]]
             bias = self.pointer(kb, tbl, self.slot_of(k.inputs[2])) if len(k.inputs) > 2 else ll.Constant(PTR, None)
             y = self.pointer(kb, tbl, self.slot_of(k.name))
             dims_ = [self.dim(kb, tbl, d) for d in (x.shape[2], x.shape[3], out.shape[1], out.shape[2], out.shape[3])]
