@@ -333,7 +333,7 @@ def _depthwise_case(shape, kernel, stride, padding, bias):
     return conv, x
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize(
     "shape, kernel, stride, padding",
     [
@@ -351,19 +351,15 @@ def _depthwise_case(shape, kernel, stride, padding, bias):
     ids=str,
 )
 @pytest.mark.parametrize("bias", [True, False])
-def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, stride, padding, bias, threads):
+def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, stride, padding, bias, n, threads):
     """Channel counts across 1-4 vectors and partial ones, windows larger than the image,
     strides, padding past the window, several images, none; NaN and infinities, 1 and 2
     threads: directconv.py's kernel, within the contract (NaN and infinities where eager's)."""
     conv, x = _depthwise_case(shape, kernel, stride, padding, bias)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        compiled = braze.compile(conv, mode="fast")
-        with torch.no_grad():
-            out, ref = compiled(x), conv(x)
-    finally:
-        torch.set_num_threads(before)
+    threads(n)
+    compiled = braze.compile(conv, mode="fast")
+    with torch.no_grad():
+        out, ref = compiled(x), conv(x)
     (prog,) = compiled.programs()
     assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.CONV) == 1
     assert out.shape == ref.shape and out.stride() == ref.stride()
@@ -392,7 +388,7 @@ def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monk
     assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize(
     "cin, cout, shape, kernel, stride, padding",
     [
@@ -407,7 +403,7 @@ def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monk
     ids=str,
 )
 def test_convolutions_of_few_channels_are_native_within_the_contract(
-    cin, cout, shape, kernel, stride, padding, threads
+    cin, cout, shape, kernel, stride, padding, n, threads
 ):
     """A network's first convolution, on its NCHW image of up to 4 channels: directconv.py's
     kernel into channels-last pixels (one output channel to three vectors, windows larger than
@@ -417,15 +413,11 @@ def test_convolutions_of_few_channels_are_native_within_the_contract(
     x = torch.randn(shape[0], cin, *shape[1:])
     if x.numel() > 2:
         x[0, 0, 0, 0], x[-1, -1, -1, -1] = float("nan"), float("inf")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        compiled = braze.compile(conv, mode="fast")
-        with torch.no_grad():
-            out, ref = compiled(x), conv(x)
-            assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
-    finally:
-        torch.set_num_threads(before)
+    threads(n)
+    compiled = braze.compile(conv, mode="fast")
+    with torch.no_grad():
+        out, ref = compiled(x), conv(x)
+        assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
     (prog,) = compiled.programs()
     assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.CONV) == 1
     assert out.shape == ref.shape and out.is_contiguous(memory_format=torch.channels_last)
