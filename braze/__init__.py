@@ -69,7 +69,14 @@ def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
     within = "faster kernels within the accuracy contract" if mode == "fast" else "eager's bits"
     secs["mode"] = f"  {mode} ({within})"
     for i, (captured, args) in enumerate(graphs):
-        prog = _program(dataclasses.replace(captured, mode=mode), args)
+        try:
+            prog = _program(dataclasses.replace(captured, mode=mode), args)
+        except Exception as e:
+            if mode != "fast":
+                raise
+            prog = _program(dataclasses.replace(captured, mode="exact"), args)  # as the wrapper does
+            failed = f"fast mode's lowering failed ({type(e).__name__}: {e})"
+            secs["mode"] += f"\n  graph {i}: {failed}; exact mode's program, which the wrapper runs"
         prog.timings.insert(0, ("capture", capture_ms if i == 0 else 0.0))
         head = f"graph {i}: " if len(graphs) > 1 else ""
         secs.update({head + name: body for name, body in debug.sections(prog, captured.graph).items()})

@@ -630,8 +630,25 @@ class CompiledFunction:
         except Exception as e:
             if config.debug >= 2:
                 raise
-            return _Failed(f"compilation failed ({type(e).__name__}: {e})")
+            failed = f"compilation failed ({type(e).__name__}: {e})"
+            prog = self._exact_instead(args, failed)
+            if prog is None:
+                return _Failed(failed)
         return self._finish(prog, note or _generic_note(prog), capture_ms, t0)
+
+    def _exact_instead(self, args: tuple, failed: str) -> Program | None:
+        """Where fast mode's lowering failed, exact mode's program (None if that fails too, or
+        this is exact mode). Fast mode's channels-last convolution results can break what
+        eager's layouts allow (a `.view` of one), which exact mode, keeping eager's, does not."""
+        if self._captured.mode != "fast":
+            return None
+        try:
+            exact = dataclasses.replace(self._captured, mode="exact")
+            prog = build_program(exact, args, self.epoch, names=self._names())
+        except Exception:
+            return None
+        self._say(f"fast mode's {failed}; exact mode's program instead", eagerly=False)
+        return prog
 
     def _finish(self, prog: Program, note: str, capture_ms: float, t0: float) -> Program:
         prog.shapes_note = note

@@ -431,3 +431,27 @@ def test_convolutions_of_more_channels_or_narrow_rows_stay_onednn(cin, width):
     with torch.no_grad():
         compiled(torch.randn(1, cin, 9, width))
     assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]
+
+
+class _ConvThenView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 40 * 40, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.head(y.view(y.size(0), -1))  # a view eager's NCHW layout allows
+
+
+def test_where_fast_modes_layouts_break_the_model_exact_mode_compiles_it():
+    """Fast mode's convolution results are channels-last: a `.view` of one fails in its lowering.
+    The model then gets exact mode's program (eager's layouts and bits), said in a warning, not
+    eager's loop."""
+    model, x = _ConvThenView().eval(), torch.randn(2, 3, 40, 40)
+    compiled = braze.compile(model, mode="fast")
+    with pytest.warns(braze.BrazeWarning, match="exact mode's program instead"), torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    assert len(compiled.programs()) == 1
+    assert "exact mode's program" in braze.explain(compiled, x).sections["mode"]
