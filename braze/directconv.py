@@ -45,6 +45,7 @@ from .codegen import (
     lanes_below,
     masked_load,
     masked_store,
+    splat,
 )
 
 DEPTHWISE = "braze_depthwise_conv2d"
@@ -60,13 +61,8 @@ ZERO = ll.Constant(V16, [0.0] * LANES)
 def _gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mask: ll.Value) -> ll.Value:
     """16 floats at base[first + lane * step] (lanes outside mask: 0)."""
     lanes = ll.Constant(ll.VectorType(I64, LANES), list(range(LANES)))
-    splat = lambda v: b.shuffle_vector(  # noqa: E731
-        b.insert_element(ll.Constant(ll.VectorType(I64, 1), ll.Undefined), v, I32(0)),
-        ll.Constant(ll.VectorType(I64, 1), ll.Undefined),
-        ll.Constant(ll.VectorType(I32, LANES), [0] * LANES),
-    )
-    offsets = b.mul(b.add(splat(first), b.mul(lanes, splat(step))), splat(I64(4)))
-    addresses = b.add(splat(b.ptrtoint(base, I64)), offsets)
+    offsets = b.mul(b.add(splat(b, first, LANES), b.mul(lanes, splat(b, step, LANES))), splat(b, I64(4), LANES))
+    addresses = b.add(splat(b, b.ptrtoint(base, I64), LANES), offsets)
     pointers = b.inttoptr(addresses, ll.VectorType(PTR, LANES))
     gather = declared(b.module, "llvm.masked.gather.v16f32.v16p0", V16, [pointers.type, I32, mask.type, V16])
     return b.call(gather, [pointers, I32(4), mask, ZERO])
@@ -220,11 +216,7 @@ def _input(b: ll.IRBuilder, k: _Call, src: ll.Value, at: ll.Value, v: int, mask:
     few-channel, the value at `at` in every lane."""
     if k.cin is None:
         return masked_load(b, b.gep(src, [b.add(b.mul(at, k.c), I64(LANES * v))], source_etype=F32), mask)
-    value = b.load(b.gep(src, [at], source_etype=F32), typ=F32)
-    lanes = ll.Constant(ll.VectorType(I32, LANES), [0] * LANES)
-    return b.shuffle_vector(
-        b.insert_element(ll.Constant(V16, ll.Undefined), value, I32(0)), ll.Constant(V16, ll.Undefined), lanes
-    )
+    return splat(b, b.load(b.gep(src, [at], source_etype=F32), typ=F32), LANES)
 
 
 def library(kernel: str) -> int:

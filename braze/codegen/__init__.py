@@ -50,6 +50,7 @@ from .loops import (
     lanes_below,
     masked_load,
     masked_store,
+    splat,
 )
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "lanes_below",
     "masked_load",
     "masked_store",
+    "splat",
 ]
 
 

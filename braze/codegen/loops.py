@@ -218,11 +218,7 @@ class _BodyEmitter:
             ptr = at(name, offset)
             if width == 1 or self._inner_stride(name) == 1:
                 return b.load(ptr, typ=ty(ety), align=4 if ety is F32 else 1)
-            scalar = b.load(ptr, typ=ety)  # broadcast along the vector: splat one element
-            vec = b.insert_element(ll.Constant(ty(ety), None), scalar, I32(0))
-            return b.shuffle_vector(
-                vec, ll.Constant(ty(ety), None), ll.Constant(ll.VectorType(I32, width), [0] * width)
-            )
+            return splat(b, b.load(ptr, typ=ety), width)  # broadcast along the vector
 
         for offset in offsets:
             vals: dict[str, ll.Value] = {}
@@ -314,20 +310,22 @@ def fma(b: ll.IRBuilder, x: ll.Value, y: ll.Value, z: ll.Value) -> ll.Value:
 LANES16 = ll.VectorType(F32, 16)  # an AVX-512 register of float32, for the library kernels
 
 
+def splat(b: ll.IRBuilder, x: ll.Value, lanes: int) -> ll.Value:
+    """x (a scalar of any type) in each of `lanes` lanes."""
+    one = b.insert_element(ll.Constant(ll.VectorType(x.type, 1), ll.Undefined), x, I32(0))
+    return b.shuffle_vector(one, one, ll.Constant(ll.VectorType(I32, lanes), [0] * lanes))
+
+
 def lanes_below(b: ll.IRBuilder, count: ll.Value) -> ll.Value:
     """The 16 lanes' mask: lane i < count."""
     lanes = ll.Constant(ll.VectorType(I32, 16), list(range(16)))
-    one = ll.Constant(ll.VectorType(I32, 1), ll.Undefined)
-    limit = b.shuffle_vector(
-        b.insert_element(one, b.trunc(count, I32), I64(0)), one, ll.Constant(ll.VectorType(I32, 16), [0] * 16)
-    )
-    return b.icmp_signed("<", lanes, limit)
+    return b.icmp_signed("<", lanes, splat(b, b.trunc(count, I32), 16))
 
 
-def masked_load(b: ll.IRBuilder, ptr: ll.Value, mask: ll.Value, fill: float = 0.0) -> ll.Value:
-    """16 floats from ptr, lanes outside mask not read (and `fill`)."""
+def masked_load(b: ll.IRBuilder, ptr: ll.Value, mask: ll.Value) -> ll.Value:
+    """16 floats from ptr, lanes outside mask not read (and 0)."""
     load = declared(b.module, "llvm.masked.load.v16f32.p0", LANES16, [PTR, I32, mask.type, LANES16])
-    return b.call(load, [ptr, I32(4), mask, ll.Constant(LANES16, [fill] * 16)])
+    return b.call(load, [ptr, I32(4), mask, ll.Constant(LANES16, [0.0] * 16)])
 
 
 def masked_store(b: ll.IRBuilder, value: ll.Value, ptr: ll.Value, mask: ll.Value) -> None:

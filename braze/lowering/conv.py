@@ -43,7 +43,7 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     padding, stride = list(_pair(padding)), list(_pair(given.get("stride", 1)))
     groups, dilation = int(given.get("groups", 1)), list(_pair(given.get("dilation", 1)))
     if (
-        _pixel_rows(x.meta, out)
+        pixel_rows(x.meta, out)
         and tuple(w.meta.shape[2:]) == (1, 1)
         and (padding, stride, groups) == ([0, 0], [1, 1], 1)
     ):
@@ -62,7 +62,7 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
 
 
-def _pixel_rows(x: torch.Tensor, out: Any) -> bool:
+def pixel_rows(x: torch.Tensor, out: Any) -> bool:
     """Whether x and the result are channels-last rows, one per pixel: [N*H*W, C] matrices."""
     rows = [t.permute(0, 2, 3, 1) for t in (x, out) if isinstance(t, torch.Tensor) and t.dim() == 4]
     return len(rows) == 2 and all(r.is_contiguous() for r in rows)
@@ -91,7 +91,7 @@ def _direct(x: Sym, w: Sym, b: Any, out: Any, groups: int, dilation: list[int]) 
     if dilation != [1, 1] or not w.meta.is_contiguous() or not (b is None or b.meta.is_contiguous()):
         return None
     flops = 2 * out.numel() * math.prod(w.meta.shape[1:])
-    if groups == c == w.meta.shape[0] and w.meta.shape[1] == 1 and _pixel_rows(x.meta, out):
+    if groups == c == w.meta.shape[0] and w.meta.shape[1] == 1 and pixel_rows(x.meta, out):
         return (out, True) if flops <= DEPTHWISE_FLOPS else None
     if groups == 1 and c <= FEW_CHANNELS and out.shape[-1] >= FEW_WIDTH and x.meta.is_contiguous():
         return torch.empty(out.shape, device="meta").contiguous(memory_format=torch.channels_last), False

@@ -13,7 +13,7 @@ from torch.nn.modules.utils import _pair
 from .. import pool
 from ..ir import Op
 from . import gemm
-from .conv import _pixel_rows
+from .conv import pixel_rows
 from .core import Lowerer, NotNative, Sym, is_float32, no_out
 from .rows import _sum
 
@@ -33,7 +33,7 @@ def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
         raise NotNative("max_pool2d returning indices")
     if not (is_float32(x) and x.meta.dim() in (3, 4)):
         raise NotNative("max_pool2d of a tensor that is not float32 (C, H, W) or (N, C, H, W)")
-    pixels = x.meta.dim() == 4 and _pixel_rows(x.meta, out) and not x.meta.is_contiguous()
+    pixels = pixel_rows(x.meta, out) and not x.meta.is_contiguous()
     planes = x.meta.is_contiguous() and isinstance(out, torch.Tensor) and out.is_contiguous()
     if not (planes or pixels):
         raise NotNative("max_pool2d of a strided input (ATen's other loop)")
@@ -62,7 +62,7 @@ def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: A
         raise NotNative("adaptive_avg_pool2d to a size other than 1 x 1 (ATen's windowed kernel)")
     if not (isinstance(x, Sym) and x.is_tensor and x.meta.dim() in (3, 4)):
         raise NotNative("adaptive_avg_pool2d of a tensor that is not (C, H, W) or (N, C, H, W)")
-    if lw.fast and is_float32(x) and _pixel_rows(x.meta, out):
+    if lw.fast and is_float32(x) and pixel_rows(x.meta, out):
         return _pixel_mean(lw, x, out)
     return _sum(mean=True)(lw, torch.mean, (x, (-2, -1), True), {}, out)
 
