@@ -50,6 +50,7 @@ def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
     import torch
 
     from . import capture, debug
+    from .api import exact_instead
 
     target = fn.fn if isinstance(fn, CompiledFunction) else fn
     mode = fn.mode if isinstance(fn, CompiledFunction) else "exact"
@@ -69,12 +70,13 @@ def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
     within = "faster kernels within the accuracy contract" if mode == "fast" else "eager's bits"
     secs["mode"] = f"  {mode} ({within})"
     for i, (captured, args) in enumerate(graphs):
+        captured = dataclasses.replace(captured, mode=mode)
         try:
-            prog = _program(dataclasses.replace(captured, mode=mode), args)
+            prog = _program(captured, args)
         except Exception as e:
-            if mode != "fast":
+            prog = exact_instead(captured, lambda c, a=args: _program(c, a))  # as the wrapper does
+            if prog is None:
                 raise
-            prog = _program(dataclasses.replace(captured, mode="exact"), args)  # as the wrapper does
             failed = f"fast mode's lowering failed ({type(e).__name__}: {e})"
             secs["mode"] += f"\n  graph {i}: {failed}; exact mode's program, which the wrapper runs"
         prog.timings.insert(0, ("capture", capture_ms if i == 0 else 0.0))

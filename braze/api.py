@@ -176,6 +176,19 @@ class _Failed:
         self.why = why
 
 
+def exact_instead(captured: capture.Captured, build: Callable[[capture.Captured], Program]) -> Program | None:
+    """Where fast mode's lowering of `captured` failed: build(exact mode's capture) (None where
+    `captured` is exact mode's, or that fails too). Fast mode's channels-last convolution results
+    can break what eager's layouts allow (a `.view` of one), which exact mode, keeping eager's,
+    does not."""
+    if captured.mode != "fast":
+        return None
+    try:
+        return build(dataclasses.replace(captured, mode="exact"))
+    except Exception:
+        return None
+
+
 def build_program(
     captured: capture.Captured,
     args: tuple[Any, ...],
@@ -631,24 +644,11 @@ class CompiledFunction:
             if config.debug >= 2:
                 raise
             failed = f"compilation failed ({type(e).__name__}: {e})"
-            prog = self._exact_instead(args, failed)
+            prog = exact_instead(self._captured, lambda c: build_program(c, args, self.epoch, names=self._names()))
             if prog is None:
                 return _Failed(failed)
+            self._say(f"fast mode's {failed}; exact mode's program instead", eagerly=False)
         return self._finish(prog, note or _generic_note(prog), capture_ms, t0)
-
-    def _exact_instead(self, args: tuple, failed: str) -> Program | None:
-        """Where fast mode's lowering failed, exact mode's program (None if that fails too, or
-        this is exact mode). Fast mode's channels-last convolution results can break what
-        eager's layouts allow (a `.view` of one), which exact mode, keeping eager's, does not."""
-        if self._captured.mode != "fast":
-            return None
-        try:
-            exact = dataclasses.replace(self._captured, mode="exact")
-            prog = build_program(exact, args, self.epoch, names=self._names())
-        except Exception:
-            return None
-        self._say(f"fast mode's {failed}; exact mode's program instead", eagerly=False)
-        return prog
 
     def _finish(self, prog: Program, note: str, capture_ms: float, t0: float) -> Program:
         prog.shapes_note = note
