@@ -406,8 +406,9 @@ def test_convolutions_of_few_channels_are_native_within_the_contract(
     cin, cout, shape, kernel, stride, padding, n, threads
 ):
     """A network's first convolution, on its NCHW image of up to 4 channels: directconv.py's
-    kernel into channels-last pixels (one output channel to three vectors, windows larger than
-    the image, several images, none; NaN and infinities), within the contract."""
+    kernel into channels-last pixels, copied into eager's layout as the output (one output
+    channel to three vectors, windows larger than the image, several images, none; NaN and
+    infinities), within the contract."""
     torch.manual_seed(0)
     conv = nn.Conv2d(cin, cout, kernel, stride, padding).eval()
     x = torch.randn(shape[0], cin, *shape[1:])
@@ -420,7 +421,7 @@ def test_convolutions_of_few_channels_are_native_within_the_contract(
         assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
     (prog,) = compiled.programs()
     assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.CONV) == 1
-    assert out.shape == ref.shape and out.is_contiguous(memory_format=torch.channels_last)
+    assert out.shape == ref.shape and out.stride() == ref.stride()  # channels-last inside, eager's out
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
 
 
@@ -455,3 +456,39 @@ def test_where_fast_modes_layouts_break_the_model_exact_mode_compiles_it():
         assert torch.equal(compiled(x), model(x))
     assert len(compiled.programs()) == 1
     assert "exact mode's program" in braze.explain(compiled, x).sections["mode"]
+
+
+class _Features(nn.Module):
+    """A feature extractor: its outputs are convolution results (channels-last in fast mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.body = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(self.stem(x))
+        return y, torch.relu(self.body(y))
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+@torch.no_grad()
+def test_outputs_are_laid_out_as_eagers(dynamo, channels_last):
+    """Fast mode keeps activations channels-last, but hands each output back in eager's layout:
+    a caller's `.view(n, -1)` works as in eager (it raised before), and a channels-last input
+    still gets channels-last outputs, as eager gives."""
+    torch.manual_seed(0)
+    model, x = _Features().eval(), torch.randn(2, 3, 40, 40)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    if dynamo:
+        compiled = torch.compile(model, backend="braze", options={"mode": "fast"})
+    else:
+        compiled = braze.compile(model, mode="fast")
+    for _ in range(2):
+        got, want = compiled(x), model(x)
+        assert [g.stride() for g in got] == [w.stride() for w in want]
+    if not channels_last:
+        assert got[1].view(2, -1).shape == (2, 32 * 40 * 40)
+    ref = copy.deepcopy(model).double()(x.double())
+    assert all(measure(g, w, r).ok for g, w, r in zip(got, want, ref))

@@ -191,6 +191,7 @@ class Lowerer:
 
     # --- running FX nodes --------------------------------------------------------------------
     def run(self, example_args: tuple[Any, ...]) -> Lowered:
+        self.example_args = example_args
         out_node = None
         placeholders = 0
         for node in self.captured.graph.nodes:
@@ -330,12 +331,37 @@ class Lowerer:
                 self.env[k] = result
 
     def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
-        leaves, spec = pytree.tree_flatten(_mutable(self._load(out_node.args[0])), _is_size)
+        result = self._load(out_node.args[0])
+        if self.fast:
+            result = self._in_eager_layouts(result)
+        leaves, spec = pytree.tree_flatten(_mutable(result), _is_size)
         out_leaves = [v.name if isinstance(v, Sym) else ("const", v) for v in leaves]
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
         reads = frozenset(self.layout_read)
         return Lowered(graph, spec, out_leaves, n_args, tuple(self.reads_training), reads)
+
+    def _in_eager_layouts(self, result: Any) -> Any:
+        """Fast mode keeps activations channels-last between convolutions where eager's are NCHW:
+        an output whose layout is not eager's is copied into eager's (fused with the elementwise
+        ops before it), so that what the caller does with it (`.view(n, -1)`) works as in eager.
+        Eager's layouts come from running the graph once, only when an output is not contiguous."""
+        kept = (Op.INPUT, Op.PARAM, Op.VIEW)  # the caller's tensors, or views whose layout is meant
+        own = {
+            v.name
+            for v in leaves(result)
+            if isinstance(v, Sym) and v.is_tensor and self.ops[v.name] not in kept and v.meta.stride() != _dense(v.meta)
+        }
+        if not own:
+            return result
+        with _model_state_kept(self.captured.root):
+            eager = torch.fx.GraphModule(self.captured.root, self.captured.graph)(*self.example_args)
+        copies: dict[str, Sym] = {}
+        for v, e in zip(leaves(result), leaves(eager)):
+            if isinstance(v, Sym) and v.name in own and _strided(e) and e.stride() != v.meta.stride():
+                copies[v.name] = self.emit(Op.COPY, (v.name,), to_meta(e))
+                self.real[copies[v.name].name] = e
+        return map_tree(lambda v: copies.get(v.name, v) if isinstance(v, Sym) else v, result)
 
 
 @contextlib.contextmanager
@@ -377,6 +403,12 @@ def _mutable(x: Any) -> Any:
     if isinstance(x, tuple):
         return tuple(_mutable(v) for v in x)
     return x
+
+
+def _dense(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of t's sizes (t.is_contiguous() holds for any strides
+    when t has no elements)."""
+    return torch.empty(t.shape, device="meta").stride()
 
 
 def _strided(t: Any) -> bool:
