@@ -22,7 +22,7 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I32, I64, PTR, VOID, counted_loop, declared, fma
+from .codegen import F32, I64, PTR, VOID, counted_loop, declared, fma, split_between_threads
 
 LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
 STEP = 2 * LANES  # vectorized_loop handles two vectors a step
@@ -88,44 +88,13 @@ def _chunk(module: ll.Module, fn: str) -> ll.Function:
 
 def _entry(module: ll.Module, fn: str) -> None:
     """braze_<fn>(x, y, n): ATen's split between threads, then each chunk."""
-    chunk = _chunk(module, fn)
-    max_threads = declared(module, "omp_get_max_threads", I32, [])
-    thread_num = declared(module, "omp_get_thread_num", I32, [])
-    gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
 
-    team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{name(fn)}_team")
-    team.linkage = "internal"
-    tb = ll.IRBuilder(team.append_basic_block("entry"))
-    word = lambda i, ty: tb.load(tb.gep(team.args[0], [I64(i)], source_etype=I64), typ=ty)  # noqa: E731
-    x, y, n, size = word(0, PTR), word(1, PTR), word(2, I64), word(3, I64)
-    start = tb.mul(tb.sext(tb.call(thread_num, []), I64), size)
-    with tb.if_then(tb.icmp_signed("<", start, n)):
-        stop = tb.add(start, size)
-        stop = tb.select(tb.icmp_signed("<", stop, n), stop, n)
-        src, dst = (tb.gep(p, [start], source_etype=F32) for p in (x, y))
-        tb.call(chunk, [src, dst, tb.sub(stop, start)])
-    tb.ret_void()
+    def grain(b: ll.IRBuilder, n: ll.Value, threads: ll.Value) -> ll.Value:
+        if fn != "gelu_tanh":
+            return I64(GRAIN)
+        return b.select(b.icmp_signed(">", n, I64(GELU_SERIAL)), b.sdiv(n, threads), I64(GRAIN))
 
-    f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), name(fn))
-    x, y, n = f.args
-    b = ll.IRBuilder(f.append_basic_block("entry"))
-    threads = b.sext(b.call(max_threads, []), I64)
-    grain: ll.Value = I64(GRAIN)
-    if fn == "gelu_tanh":
-        grain = b.select(b.icmp_signed(">", n, I64(GELU_SERIAL)), b.sdiv(n, threads), grain)
-    parts = b.sdiv(b.add(n, b.sub(grain, I64(1))), grain)
-    parts = b.select(b.icmp_signed("<", threads, parts), threads, parts)
-    serial = b.or_(b.icmp_signed("<", n, grain), b.icmp_signed("==", threads, I64(1)))
-    with b.if_else(serial) as (one, many):
-        with one:
-            b.call(chunk, [x, y, n])
-        with many:
-            args = b.alloca(I64, size=I64(4))
-            size = b.sdiv(b.add(n, b.sub(parts, I64(1))), parts)
-            for i, v in enumerate((b.ptrtoint(x, I64), b.ptrtoint(y, I64), n, size)):
-                b.store(v, b.gep(args, [I64(i)], source_etype=I64))
-            b.call(gomp, [team, args, b.trunc(parts, I32), I32(0)])
-    b.ret_void()
+    split_between_threads(module, name(fn), _chunk(module, fn), grain)
 
 
 def library(kernel: str) -> int:

@@ -109,14 +109,16 @@ def test_gemms_below_the_packing_size_are_not_timed(monkeypatch):
     assert _linears(compiled) == 0 and not timed and compiled.programs()
 
 
-def test_where_packing_loses_fast_mode_runs_exact_native_code(packing):
+def test_where_packing_loses_linears_are_exact_modes_gemms(packing):
+    """MKL's GEMMs, native, as exact mode's; the GELU between them is fast mode's own."""
     packing(False)
     model = _mlp()
     x = torch.randn(9, 64)
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
-        assert torch.equal(compiled(x), model(x))
+        assert _within(compiled, model, x)
     assert _linears(compiled) == 0
+    assert [n.op for p in compiled.programs() for n in p.graph.nodes].count(Op.GEMM) == 3
 
 
 def test_explain_describes_a_fast_wrapper_in_fast_mode(packing):
@@ -492,3 +494,51 @@ def test_outputs_are_laid_out_as_eagers(dynamo, channels_last):
         assert got[1].view(2, -1).shape == (2, 32 * 40 * 40)
     ref = copy.deepcopy(model).double()(x.double())
     assert all(measure(g, w, r).ok for g, w, r in zip(got, want, ref))
+
+
+def _gelu_bands() -> list[torch.Tensor]:
+    """2^20 values and more, in bands whose own scale sets the contract's floor: tiny, around
+    the table's intervals, the negative tail where 1 + erf cancels, large; then special values."""
+    gen = torch.Generator().manual_seed(0)
+    bands = [torch.randn(2**18 + 17, generator=gen) * s for s in (1e-3, 0.1, 1.0, 3.0, 1e3)]
+    bands.append(-2 - 6 * torch.rand(2**18 + 33, generator=gen))
+    special = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -(2**-4), 2**-4, 8.0, -8.0, 5.6, -5.6, 3e38, -3e38]
+    bands.append(torch.tensor(special + [float("inf"), -float("inf"), float("nan")]))
+    return bands
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fast_gelu_keeps_the_contract_over_a_million_values(n, threads):
+    """fastmath.py's gelu against float64 in each band (NaN for NaN and both infinities, as
+    eager; signed zeros kept), on 1 and 2 threads."""
+    from braze import fastmath
+
+    threads(n)
+    for x in _gelu_bands():
+        got, eager = fastmath.run("gelu_erf", x), torch.nn.functional.gelu(x)
+        report = measure(got, eager, torch.nn.functional.gelu(x.double()))
+        assert report.ok, (x[:3], str(report))
+        zeros = x == 0
+        assert torch.equal(got[zeros].signbit(), eager[zeros].signbit())
+
+
+@pytest.mark.parametrize("size", [1, 7, 15, 16, 17, 33, 257, 32769])
+def test_gelu_is_native_in_fast_mode(size):
+    """After a linear, in fast mode: fastmath.py's kernel (no ATen call), any length, within the
+    contract; a strided input stays ATen's, said why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, size), nn.GELU(), nn.Linear(size, 3)).eval()
+    compiled = braze.compile(model, mode="fast")
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        assert _within(compiled, model, x)
+    (prog,) = compiled.programs()
+    assert not prog.externs and [n.attrs.get("fn") for n in prog.graph.nodes].count("gelu_erf") == 1
+    gelu = torch.nn.functional.gelu
+    strided = braze.compile(lambda x: gelu(x[:, ::2]) * 2, mode="fast")
+    with torch.no_grad():
+        y = torch.randn(3, 2 * size)
+        assert measure(strided(y), gelu(y[:, ::2]) * 2, gelu(y[:, ::2].double()) * 2).ok
+    assert [why for p in strided.programs() for _, why in p.externs] == [
+        "gelu of a tensor that is not contiguous float32 (ATen loops over it otherwise)"
+    ]

@@ -51,6 +51,7 @@ from .loops import (
     masked_load,
     masked_store,
     splat,
+    split_between_threads,
 )
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "masked_load",
     "masked_store",
     "splat",
+    "split_between_threads",
 ]
 
 
@@ -339,10 +341,12 @@ class ModuleBuilder:
             kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
 
     def _activation(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """sleef.py's kernel over the elements: it splits them between threads as ATen does."""
-        from .. import sleef  # built on this module's helpers
+        """sleef.py's kernel (fast mode: fastmath.py's) over the elements, split between threads
+        as ATen splits them."""
+        from .. import fastmath, sleef  # built on this module's helpers
 
-        fn = self.kernel(sleef, sleef.name(k.attrs["fn"]), [PTR, PTR, I64])
+        library = fastmath if k.attrs["fn"] in fastmath.FUNCTIONS else sleef
+        fn = self.kernel(library, library.name(k.attrs["fn"]), [PTR, PTR, I64])
         ptrs = [self.pointer(b, table, self.slot_of(name)) for name in (k.inputs[0], k.name)]
         b.call(fn, [*ptrs, self.dim(b, table, k.meta.numel)])
 

@@ -342,3 +342,47 @@ _ARITH = {
     Op.MUL: lambda b, x, y: b.fmul(x, y),
     Op.DIV: lambda b, x, y: b.fdiv(x, y),
 }
+
+
+def split_between_threads(
+    module: ll.Module, name: str, chunk: ll.Function, grain: Callable[[ll.IRBuilder, ll.Value, ll.Value], ll.Value]
+) -> None:
+    """Define `void name(x, y, n)`: chunk(x, y, n) over n contiguous float32 elements, split
+    as ATen's parallel_for splits them: min(threads, ceil(n / grain)) equal chunks, one per
+    OpenMP thread, or one call where n < grain or there is one thread. `grain(b, n, threads)`
+    gives the grain."""
+    max_threads = declared(module, "omp_get_max_threads", I32, [])
+    thread_num = declared(module, "omp_get_thread_num", I32, [])
+    gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
+
+    team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{name}_team")
+    team.linkage = "internal"
+    tb = ll.IRBuilder(team.append_basic_block("entry"))
+    word = lambda i, ty: tb.load(tb.gep(team.args[0], [I64(i)], source_etype=I64), typ=ty)  # noqa: E731
+    x, y, n, size = word(0, PTR), word(1, PTR), word(2, I64), word(3, I64)
+    start = tb.mul(tb.sext(tb.call(thread_num, []), I64), size)
+    with tb.if_then(tb.icmp_signed("<", start, n)):
+        stop = tb.add(start, size)
+        stop = tb.select(tb.icmp_signed("<", stop, n), stop, n)
+        src, dst = (tb.gep(p, [start], source_etype=F32) for p in (x, y))
+        tb.call(chunk, [src, dst, tb.sub(stop, start)])
+    tb.ret_void()
+
+    f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), name)
+    x, y, n = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    threads = b.sext(b.call(max_threads, []), I64)
+    g = grain(b, n, threads)
+    parts = b.sdiv(b.add(n, b.sub(g, I64(1))), g)
+    parts = b.select(b.icmp_signed("<", threads, parts), threads, parts)
+    serial = b.or_(b.icmp_signed("<", n, g), b.icmp_signed("==", threads, I64(1)))
+    with b.if_else(serial) as (one, many):
+        with one:
+            b.call(chunk, [x, y, n])
+        with many:
+            args = b.alloca(I64, size=I64(4))
+            size = b.sdiv(b.add(n, b.sub(parts, I64(1))), parts)
+            for i, v in enumerate((b.ptrtoint(x, I64), b.ptrtoint(y, I64), n, size)):
+                b.store(v, b.gep(args, [I64(i)], source_etype=I64))
+            b.call(gomp, [team, args, b.trunc(parts, I32), I32(0)])
+    b.ret_void()

@@ -204,18 +204,24 @@ def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return lw.elementwise(Op.RSQRT, (args[0],), out)
 
 
+def _contiguous_float32(name: str, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """The input of a library kernel over contiguous float32 elements (sleef.py, fastmath.py)."""
+    no_out(kwargs)
+    x = args[0] if args else kwargs.get("input")
+    if not (is_float32(x) and x.meta.is_contiguous()):
+        raise NotNative(f"{name} of a tensor that is not contiguous float32 (ATen loops over it otherwise)")
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
+        raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
+    return x
+
+
 def _sleef(name: str) -> Callable[..., Sym]:
     """sigmoid, silu, gelu_tanh: sleef.py's kernels, which take ATen's loop (Sleef in the vector body,
     glibc in the scalar tails, the threads' chunks), on a contiguous input, where a probe shows
     they give ATen's bits."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-        no_out(kwargs)
-        x = args[0] if args else kwargs.get("input")
-        if not (is_float32(x) and x.meta.is_contiguous()):
-            raise NotNative(f"{name} of a tensor that is not contiguous float32 (ATen loops over it otherwise)")
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
-            raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
+        x = _contiguous_float32(name, args, kwargs, out)
         why = sleef.why_not(name)
         if why:
             raise NotNative(why)
@@ -226,11 +232,16 @@ def _sleef(name: str) -> Callable[..., Sym]:
 
 def _gelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     """gelu with approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The exact
-    form runs oneDNN's JIT polynomial in ATen (a table of 25), which braze does not reproduce."""
+    form runs oneDNN's JIT polynomial in ATen (a table of 25), which braze does not reproduce:
+    exact mode calls ATen; fast mode runs fastmath.py's own polynomials."""
     approximate = fn.approximate if isinstance(fn, torch.nn.GELU) else kwargs.get("approximate", "none")
-    if approximate != "tanh":
+    kwargs = {k: v for k, v in kwargs.items() if k != "approximate"}
+    if approximate == "tanh":
+        return _sleef("gelu_tanh")(lw, fn, args, kwargs, out)
+    if not lw.fast:
         raise NotNative("gelu without approximate='tanh' runs oneDNN's polynomial in ATen: not reproduced")
-    return _sleef("gelu_tanh")(lw, fn, args, {k: v for k, v in kwargs.items() if k != "approximate"}, out)
+    x = _contiguous_float32("gelu", args, kwargs, out)
+    return lw.emit(Op.ACTIVATION, (x.name,), out, fn="gelu_erf")
 
 
 def _vml(name: str) -> Callable[..., Sym]:
