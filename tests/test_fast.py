@@ -542,3 +542,18 @@ def test_gelu_is_native_in_fast_mode(size):
     assert [why for p in strided.programs() for _, why in p.externs] == [
         "gelu of a tensor that is not contiguous float32 (ATen loops over it otherwise)"
     ]
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("name", ["lesson", "mlp-wide", "cnn-small", "transformer-layer", "bert-tiny", "gpt2-tiny"])
+def test_bench_models_keep_the_contract(name, scale):
+    """Every `braze bench` model in fast mode, float inputs at scales from 1e-3 to 1e3 (token
+    ids once)."""
+    from braze.bench import build_model
+
+    model, inputs = build_model(name)
+    if not inputs[0].is_floating_point() and scale != 1.0:
+        pytest.skip("token ids have no scale")
+    inputs = tuple(x * scale if x.is_floating_point() else x for x in inputs)
+    report = braze.check_accuracy(model, *inputs)
+    assert report.ok, str(report)

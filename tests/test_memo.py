@@ -150,7 +150,11 @@ def test_threads_share_and_drop_kept_results(monkeypatch):
 
 
 def test_gpt2_keeps_its_mask_and_position_calls():
+    """What memoize keeps for a GPT-2 compiled afresh: TorchDynamo's sizes learnt from another
+    GPT-2 compiled before in the process (its automatic dynamic shapes, kept per code object of
+    Hugging Face's functions) would change the graphs."""
     transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64, use_cache=False)
     model = transformers.GPT2Model(config).eval()

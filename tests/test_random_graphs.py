@@ -75,10 +75,10 @@ class RandomMLP(nn.Module):
 
 
 @st.composite
-def mlps(draw):
+def mlps(draw, among: tuple[str, ...] = tuple(sorted(ACTS))):
     depth = draw(st.integers(1, 4))
     widths = draw(st.lists(st.sampled_from([1, 7, 33, 64]), min_size=depth + 1, max_size=depth + 1))
-    acts = draw(st.lists(st.sampled_from(sorted(ACTS)), min_size=depth, max_size=depth))
+    acts = draw(st.lists(st.sampled_from(among), min_size=depth, max_size=depth))
     bias = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
     residual = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
     batch = draw(st.sampled_from([(1,), (7,), (33,), (2, 5), (2, 3, 5)]))
@@ -118,3 +118,21 @@ def test_random_mlps_stay_exact_as_the_batch_changes(case, batches):
     # One program per size at most, plus the generic one: built at a size its family may leave out
     # (a batch of 1 that ATen lowers otherwise), which is then compiled for itself too.
     assert len(compiled.compilations) <= len(set(batches)) + 1
+
+
+# Half of fast mode's draws are its own kernels (GELU; GEMMs this small stay MKL's), the rest
+# what surrounds them in models.
+FAST_ACTS = ("gelu",) * 4 + ("relu", "layer_norm", "softmax", "tanh")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mlps(FAST_ACTS), st.integers(0, 2**31 - 1), st.sampled_from([1e-3, 1.0, 1e3]))
+def test_random_mlps_keep_the_contract_in_fast_mode(case, seed, scale):
+    """Fast mode within the accuracy contract, float inputs at scales from 1e-3 to 1e3."""
+    model, batch, _ = case
+    torch.manual_seed(seed)
+    x = _input(model, batch)
+    if x.is_floating_point():
+        x = x * scale
+    report = braze.check_accuracy(model, x, mode="fast")
+    assert report.ok, str(report)
