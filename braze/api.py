@@ -23,16 +23,14 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import capture, config, debug, entry, jit
+from . import capture, config, debug, entry, jit, signatures
 from .dims import Undecided
-from .ir import contiguous_strides
 from .lowering import Unsupported, lower
-from .lowering.generic import NO_LIMIT, Family, NotGeneric, Place, lower_generic, size_at, varying
+from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
 from .passes import run_passes
 from .runtime import Guard, Program
 
@@ -124,20 +122,6 @@ def _caller_level() -> int:
     return level
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_keys = torch._C._dispatch_keys
-# A dense CPU tensor's dispatch keys (made outside inference mode: it has them all), and those a
-# thread includes when nothing is active; whatever state braze is imported in.
-with torch.inference_mode(False):
-    _PLAIN_KEYS = _keys(torch.empty(0)).raw_repr()
-_KEY = torch._C.DispatchKey
-_DEFAULT_INCLUDED = torch._C.DispatchKeySet(_KEY.BackendSelect).add(_KEY.ADInplaceOrView).raw_repr()
-
-
-def _within(keys: Any, allowed: int) -> bool:
-    return keys.raw_repr() | allowed == allowed
-
-
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Compiling allocates thousands of small objects; a full collection of torch's heap in the
@@ -149,24 +133,6 @@ def _no_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def _plain_cpu(t: torch.Tensor) -> bool:
-    """A dense CPU tensor whose bytes are its values: no lazy negation or conjugation, no
-    functorch wrapper (vmap, grad, functionalize), not sparse, nested or on another device."""
-    keys = _keys(t)
-    return type(t) in _PLAIN and keys.has(_KEY.CPU) and _within(keys, _PLAIN_KEYS)
-
-
-def _unusual_state() -> str:
-    """A global setting under which eager does something other than run the ops as written."""
-    if torch.is_autocast_enabled("cpu"):
-        return "CPU autocast"
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return "a Python dispatch or torch-function mode"
-    if not _within(torch._C._dispatch_tls_local_include_set(), _DEFAULT_INCLUDED):
-        return "a functorch transform (vmap, grad, functionalize) or another dispatch override"
-    return ""
 
 
 class _Failed:
@@ -225,99 +191,6 @@ def build_program(
     return prog
 
 
-@dataclass(frozen=True)
-class Compilation:
-    """One program a wrapper compiled: why (which part of the call differed from the last one
-    compiled, or what changed) and the milliseconds it took."""
-
-    why: str
-    ms: float
-
-
-_STATE = ("the default dtype", "ATen's float32 matmul precision", "MKL's thread count")
-
-
-def _difference(old: tuple | None, new: tuple) -> str:
-    """What differs between two call signatures (see CompiledFunction._miss for their parts)."""
-    if old is None:
-        return "first call"
-    if len(old) != len(new):
-        return f"{len(new) - len(old):+d} parts in the call's signature (a new number of arguments or modules)"
-    for i, (a, b) in enumerate(zip(old, new)):
-        if a == b:
-            continue
-        if i >= len(new) - len(_STATE):
-            return f"{_STATE[i - len(new)]}: {a} -> {b}"
-        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5:
-            fields = ("shape", "strides", "dtype", "device", "type")
-            name, x, y = next((f, x, y) for f, x, y in zip(fields, a, b) if x != y)
-            return f"argument {i}: {name} {tuple(x) if name == 'shape' else x} -> {tuple(y) if name == 'shape' else y}"
-        if isinstance(a, tuple) and isinstance(b, tuple):
-            return f"argument {i}: {a[1]!r} -> {b[1]!r}"
-        return f"a module's training flag: {a} -> {b}"
-    return "the same signature"
-
-
-def _topic(why: str) -> str:
-    """What a compilation's reason is about: "argument 0: shape (4, 64) -> (8, 64)" is about
-    argument 0's shape."""
-    head, _, tail = why.partition(": ")
-    return f"{head}'s {tail.split()[0]}" if head.startswith("argument") and tail else head
-
-
-def _contiguous(a: Any) -> bool:
-    return isinstance(a, torch.Tensor) and a.is_contiguous()
-
-
-def _size_change(old: tuple | None, new: tuple, n_args: int) -> set[Place]:
-    """The argument dimensions whose sizes differ between two signatures that differ in
-    nothing else, their tensors contiguous in both; empty if they differ otherwise."""
-    if old is None or len(old) != len(new) or old[n_args:] != new[n_args:]:
-        return set()
-    changed: set[Place] = set()
-    for i, (a, b) in enumerate(zip(old[:n_args], new[:n_args])):
-        if a == b:
-            continue
-        if len(a) != 5 or len(b) != 5 or a[2:] != b[2:] or len(a[0]) != len(b[0]):
-            return set()
-        if a[1] != contiguous_strides(tuple(a[0])) or b[1] != contiguous_strides(tuple(b[0])):
-            return set()
-        changed |= {(i, d) for d in range(len(a[0])) if a[0][d] != b[0][d]}
-    return changed
-
-
-def _family_key(key: tuple, family: Family) -> tuple:
-    """A signature with the family's dimensions (and its tensors' strides, contiguous) left out."""
-    out = list(key)
-    for i in {i for places in family.places for i, d in places if d < 0}:
-        out[i] = (int, None)
-    for i in {i for places in family.places for i, d in places if d >= 0}:
-        shape, _, *rest = key[i]
-        free = {d for places in family.places for j, d in places if j == i}
-        out[i] = (tuple(-1 if d in free else n for d, n in enumerate(shape)), None, *rest)
-    return tuple(out)
-
-
-def _generic_note(prog: Program) -> str:
-    if prog.family is None:
-        return ""
-    parts = []
-    for j, (places, lo, hi) in enumerate(zip(prog.family.places, prog.family.lo, prog.family.hi)):
-        where = ", ".join(f"argument {i}" + (f" dim {d}" if d >= 0 else "") for i, d in places)
-        parts.append(f"s{j} = {where} " + (f"(>= {lo})" if hi == NO_LIMIT else f"({lo} to {hi})"))
-    return "; generic in " + "; ".join(parts)
-
-
-def _signature(args: tuple[Any, ...]) -> tuple:
-    sig = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((a.shape, a.stride(), a.dtype, a.device, type(a)))
-        else:
-            sig.append((type(a), a))
-    return tuple(sig)
-
-
 class CompiledFunction:
     """What `braze.compile` returns for a function (CompiledModule, for a module, adds the
     nn.Module interface): call it like the function.
@@ -340,7 +213,7 @@ class CompiledFunction:
         self.mode = mode
         self.dynamic = dynamic  # see braze.compile
         self._generic: list[Program] = []  # shape-generic programs, newest last
-        self._not_generic: set[tuple] = set()  # family keys (see _family_key) that did not fit
+        self._not_generic: set[tuple] = set()  # family keys (see signatures.family_key) that did not fit
         self.symbolic: list[tuple[Place, ...]] = []  # a TorchDynamo graph's symbolic sizes (backend.py)
         self._sig: Any = _UNREAD  # see _signature
         self.cache_size = config.cache_size if cache_size is None else cache_size
@@ -353,7 +226,7 @@ class CompiledFunction:
         self._lock = threading.Lock()
         self._said: set[str] = set()
         self._restaled: set[tuple] = set()  # signatures whose program went stale once
-        self.compilations: list[Compilation] = []  # every program compiled, and why
+        self.compilations: list[signatures.Compilation] = []  # every program compiled, and why
         self._last_key: tuple | None = None  # the signature compiled last
         self._why = ""  # why the next compilation happens, when it is not a new signature
         self._slow_calls = 0  # calls the slow path has taken
@@ -398,7 +271,7 @@ class CompiledFunction:
                 return self.fn(*args, **kwargs)  # a call its signature refuses: eager's TypeError
             if bound is None:  # **kwargs in forward (Hugging Face models): TorchDynamo binds them
                 if self._dynamo is None:
-                    self._dynamo = _dynamo_fallback(self, "keyword arguments that cannot be bound positionally")
+                    self._dynamo = self._through_dynamo("keyword arguments that cannot be bound positionally")
                 if self._dynamo is None:
                     return self.fn(*args, **kwargs)
                 return self._dynamo(*args, **kwargs)
@@ -407,7 +280,7 @@ class CompiledFunction:
             return self._dynamo(*args)
         if torch.is_grad_enabled() and self._needs_grad(args):
             return self._eager("gradients are needed (grad mode on and a tensor requires grad)", args, {})
-        unusual = _unusual_state()
+        unusual = signatures.unusual_state()
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
         if self._epoch != self.epoch[0]:  # before the signature: it holds the modules' flags
@@ -416,12 +289,12 @@ class CompiledFunction:
         try:
             # GEMMs are native only in full float32 matmul precision, and small ones run on one
             # thread where MKL's thread count gives the same bits: a program per precision and count
-            key = _signature(args) + self._trace_state() + (jit.matmul_precision(), jit.mkl_threads())
+            key = signatures.signature(args) + self._trace_state() + (jit.matmul_precision(), jit.mkl_threads())
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
-        if any(isinstance(a, torch.Tensor) and not _plain_cpu(a) for a in args):
+        if any(isinstance(a, torch.Tensor) and not signatures.plain_cpu(a) for a in args):
             return self._eager("an argument that is not a plain, strided CPU tensor", args, {})
-        if not all(_plain_cpu(p) for p in self._params):
+        if not all(signatures.plain_cpu(p) for p in self._params):
             return self._eager("a parameter that is not a plain, strided CPU tensor", args, {})
         prog = self._cache.get(key)
         if isinstance(prog, Program) and prog.stale:  # an ATen call inside changed its layout
@@ -460,13 +333,13 @@ class CompiledFunction:
     def _covering(self, key: tuple, args: tuple) -> Program | None:
         """A generic program whose family holds this call's signature."""
         for prog in reversed(self._generic):
-            if prog.family.values(args) is not None and _family_key(key, prog.family) == prog.family_key:
+            if prog.family.values(args) is not None and signatures.family_key(key, prog.family) == prog.family_key:
                 return prog
         return None
 
     def _keep_generic(self, prog: Program, key: tuple) -> None:
         """Keep a generic program (it replaces one of the same family), at most cache_size."""
-        prog.family_key = _family_key(key, prog.family)
+        prog.family_key = signatures.family_key(key, prog.family)
         kept = [p for p in self._generic if p.family_key != prog.family_key]
         self._generic = kept[len(kept) + 1 - self.cache_size :] + [prog]
 
@@ -491,15 +364,15 @@ class CompiledFunction:
             places, seen = list(merged.values()), [tuple(merged)]
         else:
             if self.dynamic:
-                candidates = [(i, d) for i, a in enumerate(args) if _contiguous(a) for d in range(a.dim())]
+                candidates = [(i, d) for i, a in enumerate(args) if signatures.contiguous(a) for d in range(a.dim())]
                 old, changed = key, set(varying(self._captured, args, candidates))
             else:
-                old, changed = self._last_key, _size_change(self._last_key, key, len(args))
+                old, changed = self._last_key, signatures.size_change(self._last_key, key, len(args))
             symbols: dict[tuple[int, int], list[Place]] = {}
             for i, d in sorted(changed):
                 symbols.setdefault((old[i][0][d], args[i].shape[d]), []).append((i, d))
             places, seen = list(symbols.values()), [tuple(v[0] for v in symbols), tuple(v[1] for v in symbols)]
-        if _family_key(key, Family(tuple(map(tuple, places)), ())) in self._not_generic:
+        if signatures.family_key(key, Family(tuple(map(tuple, places)), ())) in self._not_generic:
             return [], []  # tried for this family before, and it did not fit
         return places, seen
 
@@ -551,7 +424,7 @@ class CompiledFunction:
         if len(self._compiled_at) < count or self._slow_calls - self._compiled_at[0] >= calls or "storm" in self._said:
             return
         self._said.add("storm")
-        whys = collections.Counter(_topic(c.why) for c in self.compilations[-count:])
+        whys = collections.Counter(signatures.topic(c.why) for c in self.compilations[-count:])
         what, _ = whys.most_common(1)[0]
         ms = sum(c.ms for c in self.compilations[-count:]) / count
         self._say(
@@ -589,6 +462,11 @@ class CompiledFunction:
             message = f"braze: {doing.format(capture._name(self.fn))}: {why}"
             warnings.warn(message, BrazeWarning, stacklevel=_caller_level())
 
+    def _through_dynamo(self, why: str) -> Callable[..., Any] | None:
+        from . import backend  # it imports this module
+
+        return backend.dynamo_fallback(self, why)
+
     def _eager(self, why: str, args: Any, kwargs: dict) -> Any:
         self._say(why)
         return self.fn(*args, **kwargs)
@@ -616,7 +494,7 @@ class CompiledFunction:
             try:
                 self.use_capture(capture.trace(self.fn, len(args)))
             except capture.CaptureError as e:
-                self._dynamo = _dynamo_fallback(self, str(e))
+                self._dynamo = self._through_dynamo(str(e))
                 return None
         capture_ms = (time.perf_counter() - t0) * 1e3
         places, seen = self._places(key, args)
@@ -628,12 +506,13 @@ class CompiledFunction:
                     prog = build_program(self._captured, args, self.epoch, places, seen, self._names())
                 except (NotGeneric, Undecided) as e:
                     note = f"; compiled for these sizes only: {e}"
-                    self._not_generic.add(_family_key(key, Family(tuple(map(tuple, places)), ())))
+                    self._not_generic.add(signatures.family_key(key, Family(tuple(map(tuple, places)), ())))
                 if prog is not None and prog.family.values(args) is None:
                     # the family leaves out this call's sizes (ATen lowers a size of 1 otherwise):
                     # keep it for the calls it holds, and compile for this one
                     self._adopt(prog, key, capture_ms, t0)
-                    note = f"; compiled for these sizes only: outside the generic program's ({_generic_note(prog)[2:]})"
+                    outside = signatures.generic_note(prog)[2:]
+                    note = f"; compiled for these sizes only: outside the generic program's ({outside})"
                     prog = None
             if prog is None:
                 prog = build_program(self._captured, args, self.epoch, names=self._names())
@@ -648,7 +527,7 @@ class CompiledFunction:
             if prog is None:
                 return _Failed(failed)
             self._say(f"fast mode's {failed}; exact mode's program instead", eagerly=False)
-        return self._finish(prog, note or _generic_note(prog), capture_ms, t0)
+        return self._finish(prog, note or signatures.generic_note(prog), capture_ms, t0)
 
     def _finish(self, prog: Program, note: str, capture_ms: float, t0: float) -> Program:
         prog.shapes_note = note
@@ -659,14 +538,14 @@ class CompiledFunction:
 
     def _adopt(self, prog: Program, key: tuple, capture_ms: float, t0: float) -> None:
         """Keep a generic program built for a call it does not hold: it serves later calls."""
-        self._record(self._finish(prog, _generic_note(prog), capture_ms, t0), key)
+        self._record(self._finish(prog, signatures.generic_note(prog), capture_ms, t0), key)
 
     def _record(self, prog: Program, key: tuple) -> None:
         """A program compiled for `key`: its misses come back here; counted with why and how
         long it took (and a storm said); kept among the generic ones if it is one."""
         prog.bind(self._on_miss)
-        why = (self._why or _difference(self._last_key, key)) + prog.shapes_note
-        self.compilations.append(Compilation(why, prog.total_ms))
+        why = (self._why or signatures.difference(self._last_key, key)) + prog.shapes_note
+        self.compilations.append(signatures.Compilation(why, prog.total_ms))
         self._compiled_at.append(self._slow_calls)
         self._storm()
         if prog.family is not None:
@@ -733,67 +612,6 @@ class CompiledModule(CompiledFunction, torch.nn.Module):
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn.load_state_dict(*args, **kwargs)
-
-
-def _dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] | None:
-    """Hand the model to TorchDynamo with braze as backend; None (eager) if that is impossible."""
-    try:
-        from .backend import braze_backend, exact
-
-        @exact
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            sub = braze_backend(gm, example_inputs, options={"mode": wrapper.mode})
-            sub.dynamic = wrapper.dynamic
-            wrapper._subgraphs.append(sub)
-            return sub
-
-        compiled = torch.compile(_own_frame(wrapper.fn), backend=backend, dynamic=wrapper.dynamic)
-    except Exception as e:  # dynamo unavailable on this platform/Python
-        wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
-        return None
-    if config.debug:
-        debug.log(f"braze: {why}; capturing with TorchDynamo instead")
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if wrapper.dynamic is None and not wrapper._subgraphs:  # until TorchDynamo's first trace
-            _maybe_dynamic(args, kwargs)
-        try:
-            return compiled(*args, **kwargs)
-        except Exception:
-            # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
-            # failing where eager works must not break the user (it runs eagerly from then on).
-            out = wrapper.fn(*args, **kwargs)
-            wrapper._say(f"{why}; TorchDynamo capture failed too")
-            wrapper._dynamo = wrapper.fn
-            return out
-
-    return call
-
-
-def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A function calling fn whose code object is its own. TorchDynamo keeps its compiled graphs,
-    and counts them against its recompile limit (8), per code object: torch.compile of a module
-    enters through one shared frame (external_utils.inner), so the ninth model a process
-    compiled that way ran eagerly, as would the ninth instance of a class through its forward."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    name = f"braze_{type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, '__name__', 'fn')}"
-    call.__code__ = call.__code__.replace(co_name=name, co_qualname=name)
-    return call
-
-
-def _maybe_dynamic(args: tuple, kwargs: dict) -> None:
-    """Let TorchDynamo trace the call's tensor arguments with symbolic sizes from its first
-    trace on (where nothing fixes them: it specialises the rest), rather than once per size
-    before: a model served at many sizes (a prompt of another length) then compiles once."""
-    from torch._dynamo import maybe_mark_dynamic
-
-    for t in (*args, *kwargs.values()):
-        if isinstance(t, torch.Tensor):
-            for d in range(t.dim()):
-                maybe_mark_dynamic(t, d)
 
 
 def compile(

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import config, debug
 from .api import BrazeWarning, CompiledFunction
 from .capture import from_graph_module
 
@@ -198,3 +199,63 @@ def symbolic_places(gm: torch.fx.GraphModule) -> list[tuple[tuple[int, int], ...
             if expr is not None and expr.is_Symbol:
                 places.setdefault(str(expr), []).append((i, d))
     return [tuple(p) for p in places.values()]
+
+
+def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] | None:
+    """Hand the model to TorchDynamo with braze as backend; None (eager) if that is impossible."""
+    try:
+
+        @exact
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            sub = braze_backend(gm, example_inputs, options={"mode": wrapper.mode})
+            sub.dynamic = wrapper.dynamic
+            wrapper._subgraphs.append(sub)
+            return sub
+
+        compiled = torch.compile(_own_frame(wrapper.fn), backend=backend, dynamic=wrapper.dynamic)
+    except Exception as e:  # dynamo unavailable on this platform/Python
+        wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
+        return None
+    if config.debug:
+        debug.log(f"braze: {why}; capturing with TorchDynamo instead")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if wrapper.dynamic is None and not wrapper._subgraphs:  # until TorchDynamo's first trace
+            _maybe_dynamic(args, kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception:
+            # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
+            # failing where eager works must not break the user (it runs eagerly from then on).
+            out = wrapper.fn(*args, **kwargs)
+            wrapper._say(f"{why}; TorchDynamo capture failed too")
+            wrapper._dynamo = wrapper.fn
+            return out
+
+    return call
+
+
+def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling fn whose code object is its own. TorchDynamo keeps its compiled graphs,
+    and counts them against its recompile limit (8), per code object: torch.compile of a module
+    enters through one shared frame (external_utils.inner), so the ninth model a process
+    compiled that way ran eagerly, as would the ninth instance of a class through its forward."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    name = f"braze_{type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, '__name__', 'fn')}"
+    call.__code__ = call.__code__.replace(co_name=name, co_qualname=name)
+    return call
+
+
+def _maybe_dynamic(args: tuple, kwargs: dict) -> None:
+    """Let TorchDynamo trace the call's tensor arguments with symbolic sizes from its first
+    trace on (where nothing fixes them: it specialises the rest), rather than once per size
+    before: a model served at many sizes (a prompt of another length) then compiles once."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            for d in range(t.dim()):
+                maybe_mark_dynamic(t, d)
