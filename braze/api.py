@@ -307,6 +307,14 @@ class CompiledFunction:
             prog = None
         if prog is None:
             prog = self._covering(key, args)
+        if prog is not None and prog.stale:
+            # The generic program's ATen call gave these sizes another layout than its family's
+            # (ATen's size-1 special cases): they get a program of their own (it was handed the
+            # same program back, forever); the family keeps its other sizes.
+            prog.stale = False
+            self._not_generic.add(signatures.family_key(key, prog.family))
+            self._why = "an ATen call inside the generic program returned another layout at these sizes"
+            prog = None
         if prog is None:
             prog = self._compile(key, args)
         if prog is _EAGER:

@@ -110,6 +110,24 @@ def test_layouts_outside_the_family_compile_for_themselves():
     assert len(compiled.compilations) == 4  # first, generic, transposed, empty; the last is covered
 
 
+class _Attention(nn.Module):
+    def forward(self, x):
+        q, k, v = x.unbind(2)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+
+
+def test_sizes_whose_aten_layout_differs_from_the_generic_programs_compile_for_themselves():
+    """ATen's attention returns size-1 batches and heads in another layout than the generic
+    program expects: the program goes stale for those sizes, which then get programs of their
+    own (the wrapper was handed the same generic program back until Python's recursion limit)."""
+    model = _Attention()
+    compiled = braze.compile(model)
+    shapes = [(2, 7, 3, 3, 32), (1, 1, 3, 1, 32), (1, 1, 3, 1, 32), (3, 5, 3, 2, 32)]
+    calls(compiled, model, [(torch.randn(*s),) for s in shapes])
+    assert "another layout at these sizes" in compiled.compilations[2].why
+
+
 def test_sizes_used_as_numbers_keep_programs_specialised():
     def fn(x):
         return x * x.shape[0]  # a size becomes a float operand: no polynomial of the batch
