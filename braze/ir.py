@@ -68,6 +68,9 @@ class Op(enum.Enum):
     # Rows of inputs[1] (2-D, rows contiguous) copied out in the order of the int64/int32 indices
     # inputs[0], as ATen's embedding; an index outside [0, attrs rows) raises eager's IndexError.
     EMBEDDING = "embedding"
+    # Fast mode's attention (attention.py): softmax(inputs[0] @ inputs[1]^T * attrs scale) @
+    # inputs[2] per (batch, head) of [B, H, T, d] float32 tensors whose rows are contiguous.
+    ATTENTION = "attention"
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
@@ -92,6 +95,7 @@ KERNELS = (
             Op.MAX_POOL,
             Op.CONV,
             Op.EMBEDDING,
+            Op.ATTENTION,
         }
     )
     | ELEMENTWISE

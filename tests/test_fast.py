@@ -557,3 +557,67 @@ def test_bench_models_keep_the_contract(name, scale):
     inputs = tuple(x * scale if x.is_floating_point() else x for x in inputs)
     report = braze.check_accuracy(model, *inputs)
     assert report.ok, str(report)
+
+
+def _qkv(b: int, h: int, t: int, s: int, d: int, tokens_first: bool) -> list[torch.Tensor]:
+    """q [b, h, t, d], k and v [b, h, s, d]: contiguous, or (as Hugging Face's) views of
+    [b, tokens, h, d] tensors."""
+    if tokens_first:
+        return [torch.randn(b, n, h, d).transpose(1, 2) for n in (t, s, s)]
+    return [torch.randn(b, h, n, d) for n in (t, s, s)]
+
+
+def _sdpa(q, k, v, **kw):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("tokens_first", [False, True])
+@pytest.mark.parametrize(
+    "b, h, t, s, d",
+    [(1, 1, 1, 1, 32), (2, 3, 7, 5, 32), (1, 2, 33, 33, 64), (4, 2, 64, 64, 64), (1, 4, 70, 100, 96), (0, 2, 5, 5, 32)],
+)
+def test_attention_is_native_in_fast_mode(b, h, t, s, d, tokens_first, n, threads):
+    """attention.py's kernel: queries and keys of any count (blocks of 6 queries, panels of 32
+    keys and their remainders), head sizes of 32-96, several batches and heads or none,
+    both layouts, 1 and 2 threads, within the contract."""
+    threads(n)
+    torch.manual_seed(0)
+    q, k, v = _qkv(b, h, t, s, d, tokens_first)
+    compiled = braze.compile(_sdpa, mode="fast")
+    with torch.no_grad():
+        out, eager = compiled(q, k, v), _sdpa(q, k, v)
+        assert measure(out, eager, _sdpa(q.double(), k.double(), v.double())).ok
+    (prog,) = compiled.programs()
+    assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.ATTENTION) == 1
+    assert out.shape == eager.shape
+
+
+def test_attention_keeps_eagers_special_values():
+    """NaN in a query: eager's row is 0 (its kernel leaves NaN scores out of the max; a row
+    whose max is -inf gives 0); NaN in a key: NaN everywhere; infinities as eager's."""
+    compiled = braze.compile(_sdpa, mode="fast")
+    for where, value in [(0, float("nan")), (1, float("nan")), (0, float("inf")), (1, -float("inf"))]:
+        torch.manual_seed(0)
+        qkv = _qkv(1, 2, 7, 7, 32, False)
+        qkv[where][0, 0, 3, 5] = value
+        with torch.no_grad():
+            out, eager = compiled(*qkv), _sdpa(*qkv)
+        assert measure(out, eager, _sdpa(*(x.double() for x in qkv))).ok
+        assert torch.equal(out.isnan(), eager.isnan())
+
+
+@pytest.mark.parametrize(
+    "kw, d, why",
+    [
+        ({"is_causal": True}, 32, "attention with a mask, dropout or causal masking"),
+        ({"attn_mask": torch.zeros(7, 7)}, 32, "attention with a mask, dropout or causal masking"),
+        ({}, 16, "attention whose heads differ in number or size, or whose head size is not a multiple of 32"),
+    ],
+)
+def test_other_attention_stays_atens(kw, d, why):
+    compiled = braze.compile(lambda q, k, v: _sdpa(q, k, v, **kw), mode="fast")
+    qkv = _qkv(1, 2, 7, 7, d, False)
+    with torch.no_grad():
+        assert torch.equal(compiled(*qkv), _sdpa(*qkv, **kw))
+    assert [w for p in compiled.programs() for _, w in p.externs] == [why]

@@ -404,6 +404,20 @@ class ModuleBuilder:
             has_bias = I64(len(k.inputs) - 2)
             kb.call(fn, [*ptrs, bias, y, *dims_, *window, has_bias, lo, hi, *(self.dim(kb, tbl, d) for d in few)])
 
+    def _attention(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """attention.py's kernel over the (batch, head) pairs, split between threads."""
+        from .. import attention  # built on this module's helpers
+
+        operands = [self.slot_of(name) for name in (*k.inputs, k.name)]
+        (batch, heads, queries, d), keys = k.meta.shape, operands[1].meta.shape[2]
+        with self._ranged(b, table, "attention", k.meta.numel, batch * heads) as (kb, tbl, lo, hi):
+            fn = self.kernel(attention, attention.NAME, attention.ARGS)
+            dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
+            ptrs = [self.pointer(kb, tbl, a) for a in operands]
+            strides = [dim(a.meta.stride[i]) for a in operands for i in range(3)]
+            sizes = [dim(x) for x in (heads, queries, keys, d)]
+            kb.call(fn, [*ptrs, *sizes, *strides, F32(k.attrs["scale"]), lo, hi])
+
     def _embedding(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """Each index's row of the weight copied to the output's next row; an index outside
         [0, rows) sets the table's error word instead (the program raises eager's IndexError)."""
@@ -556,6 +570,7 @@ _EMITTERS = {
     Op.MAX_POOL: "_max_pool",
     Op.CONV: "_conv",
     Op.EMBEDDING: "_embedding",
+    Op.ATTENTION: "_attention",
 }
 
 

@@ -16,6 +16,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
     index.py        embedding as native row copies
     transformer.py  nn.TransformerEncoderLayer's fused fast path, as the ops its CPU kernel runs
+    attention.py    scaled_dot_product_attention: fast mode's own kernel
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import jit
 from ..ir import Op
+from .attention import _attention
 from .conv import _conv2d
 from .core import LOWERINGS, Lowered, Lowerer, NotNative, Sym, Unsupported, lower, register, to_meta
 from .elementwise import (
@@ -187,6 +189,7 @@ def _rows() -> None:
     register(F.conv2d, torch.conv2d, nn.Conv2d)(_conv2d)
     register(F.embedding, nn.Embedding)(_embedding)
     register(torch._transformer_encoder_layer_fwd)(_encoder_layer)
+    register(F.scaled_dot_product_attention)(_attention)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)
     register(torch.addmm, "addmm")(_addmm)

@@ -1,0 +1,235 @@
+"""Fast mode's attention (mode="fast"): softmax(q k^T * scale) v for each (batch, head), without
+mask, dropout or causal masking, built once per process into the JIT:
+
+    braze_attention(q, k, v, out, H, T, S, d, <b, h, t strides of q, k, v, out>, scale, lo, hi)
+
+for the (batch, head) pairs [lo, hi) (codegen splits them between threads). Per pair: k is
+packed into panels of 32 keys (gathers of 16), then per block of 6 queries the scores q k^T come
+from a register-blocked kernel (12 AVX-512 accumulators: per head dimension one broadcast of q
+per row, two vector loads of the panel), each row's softmax is taken unnormalised (its max, Sleef's
+exp of score * scale - max, their sum: 16-lane trees; as in ATen's kernel NaN scores do not count
+in the max, and a row whose max is -inf gives 0), the same kernel multiplies the block by v
+read in place (its rows are the panels' rows), and the rows are divided by their sums. d must be
+a multiple of 32. Not eager's arithmetic (ATen's flash attention blocks keys and rescales as it
+goes): within the accuracy contract, at ATen's error against float64 here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import llvmlite.ir as ll
+
+from . import jit
+from .codegen import (
+    F32,
+    I1,
+    I32,
+    I64,
+    LANES16,
+    PTR,
+    VOID,
+    counted_loop,
+    declared,
+    fma,
+    lanes_below,
+    masked_load,
+    masked_store,
+    splat,
+)
+
+NAME = "braze_attention"
+MR, NR = 6, 32  # queries per block (12 accumulators), keys or head dimensions per panel
+ARGS = [PTR] * 4 + [I64] * 16 + [F32, I64, I64]
+V16P, V16I64 = ll.VectorType(PTR, 16), ll.VectorType(I64, 16)
+
+
+def _carried(
+    b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int, init: list[ll.Value], body: Callable[..., list[ll.Value]]
+) -> list[ll.Value]:
+    """A counted loop over [lo, hi) by `step` whose values start as `init` and become
+    body(i, values) each step; the values after it (init where it ran zero times)."""
+    fn, pre = b.function, b.block
+    loop, after = fn.append_basic_block("loop"), fn.append_basic_block("after")
+    b.cbranch(b.icmp_signed("<", lo, hi), loop, after)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    i.add_incoming(lo, pre)
+    phis = []
+    for v in init:
+        phis.append(b.phi(v.type))
+        phis[-1].add_incoming(v, pre)
+    out = body(i, phis)
+    nxt = b.add(i, I64(step))
+    end = b.block
+    i.add_incoming(nxt, end)
+    for phi, v in zip(phis, out):
+        phi.add_incoming(v, end)
+    b.cbranch(b.icmp_signed("<", nxt, hi), loop, after)
+    b.position_at_end(after)
+    final = []
+    for v, o in zip(init, out):
+        final.append(b.phi(v.type))
+        final[-1].add_incoming(v, pre)
+        final[-1].add_incoming(o, end)
+    return final
+
+
+def _tree(b: ll.IRBuilder, v: ll.Value, op: Callable[[ll.Value, ll.Value], ll.Value]) -> ll.Value:
+    """op over the 16 lanes, halving each step (fast mode may reassociate)."""
+    for half in (8, 4, 2, 1):
+        v = op(v, b.shuffle_vector(v, v, ll.Constant(ll.VectorType(I32, 16), [(i + half) % 16 for i in range(16)])))
+    return b.extract_element(v, I32(0))
+
+
+def _block_kernel(module: ll.Module, mr: int) -> ll.Function:
+    """(x, lda, panel, ldp, K, out, ldo, ncols): out[r, :ncols] = sum_k x[r, k] panel[k ldp : +32]
+    for r < mr (ncols <= 32; the panel's 32 columns are read whole)."""
+    f = ll.Function(module, ll.FunctionType(VOID, [PTR, I64, PTR, I64, I64, PTR, I64, I64]), f"{NAME}_{mr}")
+    f.linkage = "internal"
+    x, lda, panel, ldp, k, out, ldo, ncols = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    rows = [at(x, b.mul(lda, I64(r))) for r in range(mr)]
+
+    def step(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+        base = b.mul(kk, ldp)
+        w = [b.load(at(panel, b.add(base, I64(16 * h))), typ=LANES16, align=4) for h in range(2)]
+        acc = list(acc)
+        for r in range(mr):
+            a = splat(b, b.load(at(rows[r], kk), typ=F32), 16)
+            for h in range(2):
+                acc[2 * r + h] = fma(b, a, w[h], acc[2 * r + h])
+        return acc
+
+    def unrolled(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+        for u in range(4):
+            acc = step(b.add(kk, I64(u)), acc)
+        return acc
+
+    whole = b.and_(k, I64(-4))
+    acc = _carried(b, I64(0), whole, 4, [ll.Constant(LANES16, [0.0] * 16)] * (2 * mr), unrolled)
+    acc = _carried(b, whole, k, 1, acc, step)
+    masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
+    for r in range(mr):
+        row = at(out, b.mul(ldo, I64(r)))
+        for h in range(2):
+            masked_store(b, acc[2 * r + h], at(row, I64(16 * h)), masks[h])
+    b.ret_void()
+    return f
+
+
+def _pack_keys(b: ll.IRBuilder, k: ll.Value, ldk: ll.Value, s: ll.Value, d: ll.Value, packed: ll.Value) -> None:
+    """packed[p][c][j] = k[(32 p + j) ldk + c] (0 past the S keys): 16 keys a masked gather."""
+    module = b.module
+    gather = declared(module, "llvm.masked.gather.v16f32.v16p0", LANES16, [V16P, I32, ll.VectorType(I1, 16), LANES16])
+    spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
+    base = splat(b, b.ptrtoint(k, I64), 16)
+    with counted_loop(b, I64(0), spad, 16) as t:
+        mask = lanes_below(b, b.sub(s, t))
+        keys = b.add(splat(b, t, 16), ll.Constant(V16I64, list(range(16))))
+        rows = b.add(base, b.mul(keys, splat(b, b.mul(ldk, I64(4)), 16)))
+        dst = b.add(b.mul(b.sdiv(t, I64(NR)), b.mul(d, I64(NR))), b.srem(t, I64(NR)))
+        with counted_loop(b, I64(0), d) as c:
+            ptrs = b.inttoptr(b.add(rows, splat(b, b.mul(c, I64(4)), 16)), V16P)
+            value = b.call(gather, [ptrs, I32(4), mask, ll.Constant(LANES16, [0.0] * 16)])
+            b.store(value, b.gep(packed, [b.add(dst, b.mul(c, I64(NR)))], source_etype=F32), align=4)
+
+
+def _softmax_rows(
+    b: ll.IRBuilder, scores: ll.Value, rows: ll.Value, s: ll.Value, spad: ll.Value, scale: ll.Value, inverse: ll.Value
+) -> None:
+    """Each of `rows` rows of scores (spad apart, S long) becomes exp(score * scale - max), its
+    sum's reciprocal written to inverse[row]."""
+    exp = declared(b.module, "Sleef_expf16_u10", LANES16, [LANES16])
+    low, zero = ll.Constant(LANES16, [float("-inf")] * 16), ll.Constant(LANES16, [0.0] * 16)
+    factor = splat(b, scale, 16)
+    with counted_loop(b, I64(0), rows) as r:
+        row = b.gep(scores, [b.mul(r, spad)], source_etype=F32)
+        at = lambda t: b.gep(row, [t], source_etype=F32)  # noqa: E731
+
+        def most(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+            value = b.select(lanes_below(b, b.sub(s, t)), b.load(at(t), typ=LANES16, align=4), low)
+            return [b.select(b.fcmp_ordered(">", value, acc[0]), value, acc[0])]  # NaN never wins
+
+        (top,) = _carried(b, I64(0), spad, 16, [low], most)
+        top = _tree(b, top, lambda x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
+        empty = b.fcmp_ordered("==", top, F32(float("-inf")))  # every score NaN or -inf: eager's row is 0
+        top = splat(b, b.fmul(top, scale), 16)
+
+        def exps(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+            e = b.call(exp, [b.fsub(b.fmul(b.load(at(t), typ=LANES16, align=4), factor), top)])
+            e = b.select(b.and_(lanes_below(b, b.sub(s, t)), b.not_(splat(b, empty, 16))), e, zero)
+            b.store(e, at(t), align=4)
+            return [b.fadd(acc[0], e)]
+
+        (total,) = _carried(b, I64(0), spad, 16, [zero], exps)
+        inverse_sum = b.select(empty, F32(0.0), b.fdiv(F32(1.0), _tree(b, total, b.fadd)))
+        b.store(inverse_sum, b.gep(inverse, [r], source_etype=F32))
+
+
+def _head(module: ll.Module) -> ll.Function:
+    """(q, ldq, k, ldk, v, ldv, out, ldo, T, S, d, scale, packed, scores): one (batch, head)."""
+    kernels = {mr: _block_kernel(module, mr) for mr in range(1, MR + 1)}
+    f = ll.Function(module, ll.FunctionType(VOID, [PTR, I64] * 4 + [I64] * 3 + [F32, PTR, PTR]), f"{NAME}_head")
+    f.linkage = "internal"
+    q, ldq, k, ldk, v, ldv, out, ldo, t_, s, d, scale, packed, scores = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
+    inverse = b.alloca(F32, size=I64(MR))
+    _pack_keys(b, k, ldk, s, d, packed)
+    with counted_loop(b, I64(0), t_, MR) as i:
+        height = b.sub(t_, i)
+        height = b.select(b.icmp_signed("<", height, I64(MR)), height, I64(MR))
+
+        def block(args: list[ll.Value]) -> None:
+            for mr in range(1, MR + 1):
+                with b.if_then(b.icmp_signed("==", height, I64(mr))):
+                    b.call(kernels[mr], args)
+
+        with counted_loop(b, I64(0), b.sdiv(spad, I64(NR))) as p:
+            col = b.mul(p, I64(NR))
+            keys = at(packed, b.mul(col, d))
+            block([at(q, b.mul(i, ldq)), ldq, keys, I64(NR), d, at(scores, col), spad, b.sub(s, col)])
+        _softmax_rows(b, scores, height, s, spad, scale, inverse)
+        rows = at(out, b.mul(i, ldo))
+        with counted_loop(b, I64(0), b.sdiv(d, I64(NR))) as p:
+            col = b.mul(p, I64(NR))
+            block([scores, spad, at(v, col), ldv, s, at(rows, col), ldo, I64(NR)])
+        with counted_loop(b, I64(0), height) as r:
+            factor = splat(b, b.load(b.gep(inverse, [r], source_etype=F32), typ=F32), 16)
+            row = at(rows, b.mul(r, ldo))
+            with counted_loop(b, I64(0), d, 16) as c:
+                mask = lanes_below(b, b.sub(d, c))
+                masked_store(b, b.fmul(masked_load(b, at(row, c), mask), factor), at(row, c), mask)
+    b.ret_void()
+    return f
+
+
+def _entry(module: ll.Module) -> None:
+    head = _head(module)
+    malloc = declared(module, "malloc", PTR, [I64])
+    free = declared(module, "free", VOID, [PTR])
+    f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAME)
+    q, k, v, out, heads, t_, s, d, *strides, scale, lo, hi = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
+    scratch = b.call(malloc, [b.mul(b.mul(spad, b.add(d, I64(MR))), I64(4))])
+    scores = b.gep(scratch, [b.mul(spad, d)], source_etype=F32)
+    with counted_loop(b, lo, hi) as pair:
+        batch, h = b.sdiv(pair, heads), b.srem(pair, heads)
+        base = [
+            b.gep(p, [b.add(b.mul(batch, strides[3 * j]), b.mul(h, strides[3 * j + 1]))], source_etype=F32)
+            for j, p in enumerate((q, k, v, out))
+        ]
+        rows = [strides[3 * j + 2] for j in range(4)]
+        args = [x for pair_ in zip(base, rows) for x in pair_]
+        b.call(head, [*args, t_, s, d, scale, scratch, scores])
+    b.call(free, [scratch])
+    b.ret_void()
+
+
+def library(kernel: str = NAME) -> int:
+    """The kernel's address (jit.kernel: built alone when first needed)."""
+    return jit.kernel(kernel, _entry)
