@@ -1,16 +1,18 @@
-"""Fast mode's attention (mode="fast"): softmax(q k^T * scale) v for each (batch, head), without
-mask, dropout or causal masking, built once per process into the JIT:
+"""Fast mode's attention (mode="fast"): softmax(q k^T * scale + mask) v for each (batch, head),
+causal or not, with a boolean or additive float mask or none, built once per process into the JIT:
 
-    braze_attention(q, k, v, out, H, T, S, d, <b, h, t strides of q, k, v, out>, scale, lo, hi)
+    braze_attention(q, k, v, out, mask, H, group, T, S, d, mask kind,
+                    <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi)
 
-for the (batch, head) pairs [lo, hi) (codegen splits them between threads). Per pair: k is
-packed into panels of 32 keys (gathers of 16), then per block of 6 queries the scores q k^T come
-from a register-blocked kernel (12 AVX-512 accumulators: per head dimension one broadcast of q
-per row, two vector loads of the panel), each row's softmax is taken unnormalised (its max, Sleef's
-exp of score * scale - max, their sum: 16-lane trees; as in ATen's kernel NaN scores do not count
-in the max, and a row whose max is -inf gives 0), the same kernel multiplies the block by v
-read in place (its rows are the panels' rows), and the rows are divided by their sums. d must be
-a multiple of 32. Not eager's arithmetic (ATen's flash attention blocks keys and rescales as it
+for the (batch, head) pairs [lo, hi) (codegen splits them between threads); `group` query heads
+share each key and value head (grouped-query attention). Per pair: k is packed into panels of 32
+keys (gathers of 16), then per block of 6 queries the scores q k^T come from a register-blocked
+kernel (12 AVX-512 accumulators: per head dimension one broadcast of q per row, two vector loads
+of the panel), each row's softmax is taken unnormalised (its max, Sleef's exp of score * scale
+(+ mask) - max, their sum: 16-lane trees; as in ATen's kernel NaN scores do not count in the max,
+and a row whose max is -inf gives 0; causal rows stop at their own key), the same kernel
+multiplies the block by v read in place (its rows are the panels' rows), and the rows are divided
+by their sums. d must be a multiple of 32. Not eager's arithmetic (ATen's flash attention blocks keys and rescales as it
 goes): within the accuracy contract, at ATen's error against float64 here.
 """
 
@@ -40,7 +42,9 @@ from .codegen import (
 
 NAME = "braze_attention"
 MR, NR = 6, 32  # queries per block (12 accumulators), keys or head dimensions per panel
-ARGS = [PTR] * 4 + [I64] * 16 + [F32, I64, I64]
+# q, k, v, out, mask; heads, group, T, S, d, mask kind; b, h, t strides of q, k, v, out and mask;
+# scale, causal, lo, hi
+ARGS = [PTR] * 5 + [I64] * 6 + [I64] * 15 + [F32, I64, I64, I64]
 V16P, V16I64 = ll.VectorType(PTR, 16), ll.VectorType(I64, 16)
 
 
@@ -137,66 +141,106 @@ def _pack_keys(b: ll.IRBuilder, k: ll.Value, ldk: ll.Value, s: ll.Value, d: ll.V
 
 
 def _softmax_rows(
-    b: ll.IRBuilder, scores: ll.Value, rows: ll.Value, s: ll.Value, spad: ll.Value, scale: ll.Value, inverse: ll.Value
+    b: ll.IRBuilder,
+    scores: ll.Value,
+    rows: ll.Value,
+    limit: Callable[[ll.Value], ll.Value],
+    extent: ll.Value,
+    spad: ll.Value,
+    scale: ll.Value,
+    mask: Callable[[ll.Value, ll.Value, ll.Value, ll.Value], ll.Value],
+    inverse: ll.Value,
 ) -> None:
-    """Each of `rows` rows of scores (spad apart, S long) becomes exp(score * scale - max), its
-    sum's reciprocal written to inverse[row]."""
+    """Each of `rows` rows of scores (spad apart): z = mask(row, t, score * scale, lanes) over its
+    first limit(row) entries, then exp(z - max z) there and 0 after them up to `extent`; the
+    sum's reciprocal goes to inverse[row]."""
     exp = declared(b.module, "Sleef_expf16_u10", LANES16, [LANES16])
     low, zero = ll.Constant(LANES16, [float("-inf")] * 16), ll.Constant(LANES16, [0.0] * 16)
     factor = splat(b, scale, 16)
     with counted_loop(b, I64(0), rows) as r:
+        s = limit(r)
         row = b.gep(scores, [b.mul(r, spad)], source_etype=F32)
         at = lambda t: b.gep(row, [t], source_etype=F32)  # noqa: E731
 
         def most(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
-            value = b.select(lanes_below(b, b.sub(s, t)), b.load(at(t), typ=LANES16, align=4), low)
+            lanes = lanes_below(b, b.sub(s, t))
+            z = mask(r, t, b.fmul(b.load(at(t), typ=LANES16, align=4), factor), lanes)
+            b.store(z, at(t), align=4)
+            value = b.select(lanes, z, low)
             return [b.select(b.fcmp_ordered(">", value, acc[0]), value, acc[0])]  # NaN never wins
 
-        (top,) = _carried(b, I64(0), spad, 16, [low], most)
+        (top,) = _carried(b, I64(0), s, 16, [low], most)
         top = _tree(b, top, lambda x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
         empty = b.fcmp_ordered("==", top, F32(float("-inf")))  # every score NaN or -inf: eager's row is 0
-        top = splat(b, b.fmul(top, scale), 16)
+        top = splat(b, top, 16)
 
         def exps(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
-            e = b.call(exp, [b.fsub(b.fmul(b.load(at(t), typ=LANES16, align=4), factor), top)])
+            e = b.call(exp, [b.fsub(b.load(at(t), typ=LANES16, align=4), top)])
             e = b.select(b.and_(lanes_below(b, b.sub(s, t)), b.not_(splat(b, empty, 16))), e, zero)
             b.store(e, at(t), align=4)
             return [b.fadd(acc[0], e)]
 
-        (total,) = _carried(b, I64(0), spad, 16, [zero], exps)
+        (total,) = _carried(b, I64(0), extent, 16, [zero], exps)
         inverse_sum = b.select(empty, F32(0.0), b.fdiv(F32(1.0), _tree(b, total, b.fadd)))
         b.store(inverse_sum, b.gep(inverse, [r], source_etype=F32))
 
 
-def _head(module: ll.Module) -> ll.Function:
-    """(q, ldq, k, ldk, v, ldv, out, ldo, T, S, d, scale, packed, scores): one (batch, head)."""
-    kernels = {mr: _block_kernel(module, mr) for mr in range(1, MR + 1)}
-    f = ll.Function(module, ll.FunctionType(VOID, [PTR, I64] * 4 + [I64] * 3 + [F32, PTR, PTR]), f"{NAME}_head")
+def _masking(b: ll.IRBuilder, kind: int, base: ll.Value, stride: ll.Value, first: ll.Value) -> Callable:
+    """mask(row, t, z, lanes): z where there is no mask (kind 0); z where a boolean mask is true,
+    -inf where false (kind 1); z plus a float mask (kind 2). The mask's row `first + row` starts at
+    base + (first + row) * stride (elements of its dtype), its keys contiguous."""
+    i8s = ll.VectorType(ll.IntType(8), 16)
+
+    def mask(r: ll.Value, t: ll.Value, z: ll.Value, lanes: ll.Value) -> ll.Value:
+        if kind == 0:
+            return z
+        at = b.add(b.mul(b.add(first, r), stride), t)
+        if kind == 2:
+            return b.fadd(z, masked_load(b, b.gep(base, [at], source_etype=F32), lanes))
+        load = declared(b.module, "llvm.masked.load.v16i8.p0", i8s, [PTR, I32, ll.VectorType(I1, 16), i8s])
+        flags = b.call(load, [b.gep(base, [at], source_etype=ll.IntType(8)), I32(1), lanes, ll.Constant(i8s, [0] * 16)])
+        keep = b.icmp_unsigned("!=", flags, ll.Constant(i8s, [0] * 16))
+        return b.select(keep, z, ll.Constant(LANES16, [float("-inf")] * 16))
+
+    return mask
+
+
+def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.Function:
+    """(q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, T, S, d, scale, causal, packed, scores):
+    one (batch, head). Causal: query i sees keys 0..i (PyTorch's is_causal, aligned at the top
+    left). Mask `kind`: none, a boolean or an additive float one (rows ldm apart, see _masking)."""
+    args = [PTR, I64] * 5 + [I64] * 3 + [F32, I64, PTR, PTR]
+    f = ll.Function(module, ll.FunctionType(VOID, args), f"{NAME}_head{kind}")
     f.linkage = "internal"
-    q, ldq, k, ldk, v, ldv, out, ldo, t_, s, d, scale, packed, scores = f.args
+    q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, t_, s, d, scale, causal, packed, scores = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
     inverse = b.alloca(F32, size=I64(MR))
     _pack_keys(b, k, ldk, s, d, packed)
+    causal = b.icmp_signed("!=", causal, I64(0))
+    smallest = lambda x, y: b.select(b.icmp_signed("<", x, y), x, y)  # noqa: E731
     with counted_loop(b, I64(0), t_, MR) as i:
-        height = b.sub(t_, i)
-        height = b.select(b.icmp_signed("<", height, I64(MR)), height, I64(MR))
+        height = smallest(b.sub(t_, i), I64(MR))
+        # the keys this block's queries see: all, or (causal) up to its last query
+        limit = b.select(causal, smallest(s, b.add(i, height)), s)
 
         def block(args: list[ll.Value]) -> None:
             for mr in range(1, MR + 1):
                 with b.if_then(b.icmp_signed("==", height, I64(mr))):
                     b.call(kernels[mr], args)
 
-        with counted_loop(b, I64(0), b.sdiv(spad, I64(NR))) as p:
+        with counted_loop(b, I64(0), b.sdiv(b.add(limit, I64(NR - 1)), I64(NR))) as p:
             col = b.mul(p, I64(NR))
             keys = at(packed, b.mul(col, d))
-            block([at(q, b.mul(i, ldq)), ldq, keys, I64(NR), d, at(scores, col), spad, b.sub(s, col)])
-        _softmax_rows(b, scores, height, s, spad, scale, inverse)
+            block([at(q, b.mul(i, ldq)), ldq, keys, I64(NR), d, at(scores, col), spad, b.sub(limit, col)])
+        row_limit = lambda r: b.select(causal, smallest(s, b.add(b.add(i, r), I64(1))), s)  # noqa: E731
+        masking = _masking(b, kind, mask, ldm, i)
+        _softmax_rows(b, scores, height, row_limit, limit, spad, scale, masking, inverse)
         rows = at(out, b.mul(i, ldo))
         with counted_loop(b, I64(0), b.sdiv(d, I64(NR))) as p:
             col = b.mul(p, I64(NR))
-            block([scores, spad, at(v, col), ldv, s, at(rows, col), ldo, I64(NR)])
+            block([scores, spad, at(v, col), ldv, limit, at(rows, col), ldo, I64(NR)])
         with counted_loop(b, I64(0), height) as r:
             factor = splat(b, b.load(b.gep(inverse, [r], source_etype=F32), typ=F32), 16)
             row = at(rows, b.mul(r, ldo))
@@ -208,24 +252,29 @@ def _head(module: ll.Module) -> ll.Function:
 
 
 def _entry(module: ll.Module) -> None:
-    head = _head(module)
+    kernels = {mr: _block_kernel(module, mr) for mr in range(1, MR + 1)}
+    heads_by_kind = [_head(module, kind, kernels) for kind in range(3)]
     malloc = declared(module, "malloc", PTR, [I64])
     free = declared(module, "free", VOID, [PTR])
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAME)
-    q, k, v, out, heads, t_, s, d, *strides, scale, lo, hi = f.args
+    q, k, v, out, mask, heads, group, t_, s, d, kind, *strides, scale, causal, lo, hi = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
     scratch = b.call(malloc, [b.mul(b.mul(spad, b.add(d, I64(MR))), I64(4))])
     scores = b.gep(scratch, [b.mul(spad, d)], source_etype=F32)
     with counted_loop(b, lo, hi) as pair:
         batch, h = b.sdiv(pair, heads), b.srem(pair, heads)
-        base = [
-            b.gep(p, [b.add(b.mul(batch, strides[3 * j]), b.mul(h, strides[3 * j + 1]))], source_etype=F32)
-            for j, p in enumerate((q, k, v, out))
-        ]
-        rows = [strides[3 * j + 2] for j in range(4)]
-        args = [x for pair_ in zip(base, rows) for x in pair_]
-        b.call(head, [*args, t_, s, d, scale, scratch, scores])
+        kv = b.sdiv(h, group)  # grouped heads: `group` query heads share a key and value head
+        base = []
+        for j, (p, head_) in enumerate(zip((q, k, v, out, mask), (h, kv, kv, h, h))):
+            offset = b.add(b.mul(batch, strides[3 * j]), b.mul(head_, strides[3 * j + 1]))
+            # the mask's offsets count its elements (bytes for a boolean one)
+            size = b.select(b.icmp_signed("==", kind, I64(1)), I64(1), I64(4)) if j == 4 else I64(4)
+            base.append(b.gep(p, [b.mul(offset, size)], source_etype=ll.IntType(8)))
+        args = [x for pair_ in zip(base, (strides[3 * j + 2] for j in range(5))) for x in pair_]
+        for j, head in enumerate(heads_by_kind):
+            with b.if_then(b.icmp_signed("==", kind, I64(j))):
+                b.call(head, [*args, t_, s, d, scale, causal, scratch, scores])
     b.call(free, [scratch])
     b.ret_void()
 

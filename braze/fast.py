@@ -14,7 +14,7 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
     direct   a depthwise convolution of channels-last pixels up to 8 MFLOP, and one of an NCHW
              input of up to 4 channels (a network's first): braze's kernels (directconv.py)
     gelu     the erf form: braze's polynomials (fastmath.py)
-    sdpa     attention without mask, dropout or causal masking: braze's kernel (attention.py)
+    sdpa     attention (causal or masked, not dropout): braze's kernel (attention.py)
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 

@@ -68,8 +68,9 @@ class Op(enum.Enum):
     # Rows of inputs[1] (2-D, rows contiguous) copied out in the order of the int64/int32 indices
     # inputs[0], as ATen's embedding; an index outside [0, attrs rows) raises eager's IndexError.
     EMBEDDING = "embedding"
-    # Fast mode's attention (attention.py): softmax(inputs[0] @ inputs[1]^T * attrs scale) @
-    # inputs[2] per (batch, head) of [B, H, T, d] float32 tensors whose rows are contiguous.
+    # Fast mode's attention (attention.py): softmax(inputs[0] @ inputs[1]^T * attrs scale + mask)
+    # @ inputs[2] per (batch, head) of [B, H, T, d] float32 tensors whose rows are contiguous;
+    # attrs causal: query i sees keys 0..i; mask: 0 none, 1 boolean inputs[3], 2 float inputs[3].
     ATTENTION = "attention"
     FUSED = "fused"  # elementwise body computed in one loop nest
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why

@@ -572,22 +572,24 @@ def _sdpa(q, k, v, **kw):
 
 
 @pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tokens_first", [False, True])
 @pytest.mark.parametrize(
     "b, h, t, s, d",
     [(1, 1, 1, 1, 32), (2, 3, 7, 5, 32), (1, 2, 33, 33, 64), (4, 2, 64, 64, 64), (1, 4, 70, 100, 96), (0, 2, 5, 5, 32)],
 )
-def test_attention_is_native_in_fast_mode(b, h, t, s, d, tokens_first, n, threads):
+def test_attention_is_native_in_fast_mode(b, h, t, s, d, tokens_first, causal, n, threads):
     """attention.py's kernel: queries and keys of any count (blocks of 6 queries, panels of 32
     keys and their remainders), head sizes of 32-96, several batches and heads or none,
-    both layouts, 1 and 2 threads, within the contract."""
+    both layouts, causal or not (more queries than keys too), 1 and 2 threads, within the
+    contract."""
     threads(n)
     torch.manual_seed(0)
     q, k, v = _qkv(b, h, t, s, d, tokens_first)
-    compiled = braze.compile(_sdpa, mode="fast")
+    compiled = braze.compile(lambda q, k, v: _sdpa(q, k, v, is_causal=causal), mode="fast")
     with torch.no_grad():
-        out, eager = compiled(q, k, v), _sdpa(q, k, v)
-        assert measure(out, eager, _sdpa(q.double(), k.double(), v.double())).ok
+        out, eager = compiled(q, k, v), _sdpa(q, k, v, is_causal=causal)
+        assert measure(out, eager, _sdpa(q.double(), k.double(), v.double(), is_causal=causal)).ok
     (prog,) = compiled.programs()
     assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.ATTENTION) == 1
     assert out.shape == eager.shape
@@ -608,16 +610,50 @@ def test_attention_keeps_eagers_special_values():
 
 
 @pytest.mark.parametrize(
-    "kw, d, why",
+    "mask",
     [
-        ({"is_causal": True}, 32, "attention with a mask, dropout or causal masking"),
-        ({"attn_mask": torch.zeros(7, 7)}, 32, "attention with a mask, dropout or causal masking"),
-        ({}, 16, "attention whose heads differ in number or size, or whose head size is not a multiple of 32"),
+        lambda b, h, t, s: torch.rand(b, 1, t, s) > 0.3,  # Hugging Face's boolean mask, heads broadcast
+        lambda b, h, t, s: torch.zeros(b, 1, t, s, dtype=torch.bool),  # every key masked: eager's 0
+        lambda b, h, t, s: torch.randn(1, h, t, s),  # T5's position bias, batch broadcast
+        lambda b, h, t, s: torch.randn(t, s),  # one matrix for all
+    ],
+    ids=["bool", "none-kept", "float", "2-d"],
+)
+def test_masked_attention_is_native_in_fast_mode(mask):
+    torch.manual_seed(0)
+    q, k, v = _qkv(2, 3, 9, 37, 64, True)
+    m = mask(2, 3, 9, 37)
+    compiled = braze.compile(lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m), mode="fast")
+    with torch.no_grad():
+        out, eager = compiled(q, k, v, m), _sdpa(q, k, v, attn_mask=m)
+        assert measure(
+            out, eager, _sdpa(q.double(), k.double(), v.double(), attn_mask=m.double() if m.is_floating_point() else m)
+        ).ok
+    assert not compiled.programs()[0].externs
+
+
+def test_grouped_heads_share_keys_and_values():
+    """Llama's grouped-query attention (enable_gqa): 2 query heads per key and value head."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 17, 32), torch.randn(1, 2, 17, 32), torch.randn(1, 2, 17, 32)
+    fn = lambda q, k, v: _sdpa(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    compiled = braze.compile(fn, mode="fast")
+    with torch.no_grad():
+        assert measure(compiled(q, k, v), fn(q, k, v), fn(q.double(), k.double(), v.double())).ok
+    assert not compiled.programs()[0].externs
+
+
+@pytest.mark.parametrize(
+    "mask, d, why",
+    [
+        (torch.randn(7, 14)[:, ::2], 32, "attention with a mask whose keys are not contiguous"),
+        (None, 16, "attention over no keys, or with a head size that is not a multiple of 32"),
     ],
 )
-def test_other_attention_stays_atens(kw, d, why):
-    compiled = braze.compile(lambda q, k, v: _sdpa(q, k, v, **kw), mode="fast")
+def test_other_attention_stays_atens(mask, d, why):
+    fn = lambda q, k, v, m: _sdpa(q, k, v, attn_mask=m)  # noqa: E731
+    compiled = braze.compile(fn, mode="fast")
     qkv = _qkv(1, 2, 7, 7, d, False)
     with torch.no_grad():
-        assert torch.equal(compiled(*qkv), _sdpa(*qkv, **kw))
+        assert torch.equal(compiled(*qkv, mask), fn(*qkv, mask))
     assert [w for p in compiled.programs() for _, w in p.externs] == [why]

@@ -408,15 +408,26 @@ class ModuleBuilder:
         """attention.py's kernel over the (batch, head) pairs, split between threads."""
         from .. import attention  # built on this module's helpers
 
-        operands = [self.slot_of(name) for name in (*k.inputs, k.name)]
-        (batch, heads, queries, d), keys = k.meta.shape, operands[1].meta.shape[2]
+        operands = [self.slot_of(name) for name in (*k.inputs[:3], k.name)]
+        (batch, heads, queries, d), (kv_heads, keys) = k.meta.shape, operands[1].meta.shape[1:3]
+        mask = self.slot_of(k.inputs[3]) if k.attrs["mask"] else None
         with self._ranged(b, table, "attention", k.meta.numel, batch * heads) as (kb, tbl, lo, hi):
             fn = self.kernel(attention, attention.NAME, attention.ARGS)
             dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             ptrs = [self.pointer(kb, tbl, a) for a in operands]
+            ptrs.append(ll.Constant(PTR, None) if mask is None else self._mask_pointer(kb, tbl, mask))
             strides = [dim(a.meta.stride[i]) for a in operands for i in range(3)]
-            sizes = [dim(x) for x in (heads, queries, keys, d)]
-            kb.call(fn, [*ptrs, *sizes, *strides, F32(k.attrs["scale"]), lo, hi])
+            strides += [dim(x) for x in _broadcast_strides(mask.meta)[:3]] if mask else [I64(0)] * 3
+            group = kb.sdiv(dim(heads), dim(kv_heads))
+            sizes = [dim(heads), group, dim(queries), dim(keys), dim(d), I64(k.attrs["mask"])]
+            flags = [F32(k.attrs["scale"]), I64(int(k.attrs["causal"]))]
+            kb.call(fn, [*ptrs, *sizes, *strides, *flags, lo, hi])
+
+    def _mask_pointer(self, b: ll.IRBuilder, table: ll.Value, mask: Access) -> ll.Value:
+        """The address of a mask's first element, boolean (bytes) or float."""
+        base = b.load(b.gep(table, [I64(mask.slot)], source_etype=PTR), typ=PTR)
+        size = mask.meta.dtype.itemsize
+        return b.gep(base, [b.mul(self.dim(b, table, mask.meta.offset), I64(size))], source_etype=I8)
 
     def _embedding(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """Each index's row of the weight copied to the output's next row; an index outside
@@ -572,6 +583,13 @@ _EMITTERS = {
     Op.EMBEDDING: "_embedding",
     Op.ATTENTION: "_attention",
 }
+
+
+def _broadcast_strides(meta: TensorMeta) -> list[Dim]:
+    """A mask's strides as broadcast to [batch, heads, queries, keys]: 0 where it has no such
+    dimension or its size is 1."""
+    pairs = [(0, 1)] * (4 - len(meta.shape)) + list(zip(meta.stride, meta.shape))
+    return [0 if size == 1 else stride for stride, size in pairs]
 
 
 def _dense(meta: TensorMeta) -> bool:

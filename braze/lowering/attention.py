@@ -1,5 +1,6 @@
 """scaled_dot_product_attention: ATen's call in exact mode (its flash attention's bits are not
-reproduced); fast mode's own kernel (attention.py) without mask, dropout or causal masking."""
+reproduced); fast mode's own kernel (attention.py): causal or not, with a boolean or additive
+float mask or none, grouped key and value heads, no dropout."""
 
 from __future__ import annotations
 
@@ -18,19 +19,33 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
     if not lw.fast:
         raise NotNative("exact mode: ATen's flash attention (its bits are not reproduced)")
     given = dict(zip(_ARGS, args)) | kwargs
-    q, k, v = given["query"], given["key"], given["value"]
-    if given.get("attn_mask") is not None or given.get("dropout_p", 0.0) != 0.0 or given.get("is_causal", False):
-        raise NotNative("attention with a mask, dropout or causal masking")
-    if given.get("enable_gqa", False):
-        raise NotNative("attention with grouped key and value heads")
+    q, k, v, mask = given["query"], given["key"], given["value"], given.get("attn_mask")
+    causal, grouped = given.get("is_causal", False), given.get("enable_gqa", False)
+    if given.get("dropout_p", 0.0) != 0.0 or not isinstance(causal, bool) or not isinstance(grouped, bool):
+        raise NotNative("attention with dropout")
     if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
         raise NotNative("attention of tensors that are not float32")
-    metas = [q.meta, k.meta, v.meta, out]
-    if any(m.dim() != 4 or m.stride(3) != 1 for m in metas):
+    mq, mk, mv = q.meta, k.meta, v.meta
+    if any(m.dim() != 4 or m.stride(3) != 1 for m in (mq, mk, mv, out)):
         raise NotNative("attention of tensors that are not [batch, heads, tokens, d] with contiguous rows")
-    (mq, mk, mv, mo), d = metas, metas[0].shape[3]
-    if mq.shape[:2] != mk.shape[:2] or mk.shape != mv.shape or mk.shape[3] != d or d % 32 or mo.shape != mq.shape:
-        raise NotNative("attention whose heads differ in number or size, or whose head size is not a multiple of 32")
+    (batch, heads, queries, d), kv_heads, keys = mq.shape, mk.shape[1], mk.shape[2]
+    shared = kv_heads == heads or (grouped and kv_heads > 0 and heads % kv_heads == 0)
+    if mk.shape[0] != batch or mk.shape != mv.shape or mk.shape[3] != d or not shared or out.shape != mq.shape:
+        raise NotNative("attention whose batches, heads or head sizes do not match")
+    if d % 32 or keys == 0:
+        raise NotNative("attention over no keys, or with a head size that is not a multiple of 32")
+    inputs = (q.name, k.name, v.name)
+    kind = 0
+    if mask is not None:
+        if not (isinstance(mask, Sym) and mask.is_tensor and mask.meta.dtype in (torch.bool, torch.float32)):
+            raise NotNative("attention with a mask that is not a boolean or float32 tensor")
+        try:
+            rows = mask.meta.expand(batch, heads, queries, keys)
+        except RuntimeError as e:
+            raise NotNative("attention with a mask that does not broadcast") from e
+        if keys > 1 and rows.stride(3) != 1:
+            raise NotNative("attention with a mask whose keys are not contiguous")
+        kind, inputs = (1 if mask.meta.dtype == torch.bool else 2), (*inputs, mask.name)
     scale = given.get("scale")
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
-    return lw.emit(Op.ATTENTION, (q.name, k.name, v.name), out, scale=scale)
+    return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=causal, mask=kind)
