@@ -1,7 +1,7 @@
 """Fast mode's attention (mode="fast"): softmax(q k^T * scale + mask) v for each (batch, head),
 causal or not, with a boolean or additive float mask or none, built once per process into the JIT:
 
-    braze_attention(q, k, v, out, mask, H, group, T, S, d, mask kind,
+    braze_attention[_bool|_float](q, k, v, out, mask, H, group, T, S, d,
                     <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi)
 
 for the (batch, head) pairs [lo, hi) (codegen splits them between threads); `group` query heads
@@ -41,10 +41,11 @@ from .codegen import (
 )
 
 NAME = "braze_attention"
+NAMES = [NAME, f"{NAME}_bool", f"{NAME}_float"]  # by kind of mask: none, boolean, additive float
 MR, NR = 6, 32  # queries per block (12 accumulators), keys or head dimensions per panel
-# q, k, v, out, mask; heads, group, T, S, d, mask kind; b, h, t strides of q, k, v, out and mask;
-# scale, causal, lo, hi
-ARGS = [PTR] * 5 + [I64] * 6 + [I64] * 15 + [F32, I64, I64, I64]
+# q, k, v, out, mask; heads, group, T, S, d; b, h, t strides of q, k, v, out and mask; scale,
+# causal, lo, hi
+ARGS = [PTR] * 5 + [I64] * 5 + [I64] * 15 + [F32, I64, I64, I64]
 V16P, V16I64 = ll.VectorType(PTR, 16), ll.VectorType(I64, 16)
 
 
@@ -251,13 +252,13 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
     return f
 
 
-def _entry(module: ll.Module) -> None:
-    kernels = {mr: _block_kernel(module, mr) for mr in range(1, MR + 1)}
-    heads_by_kind = [_head(module, kind, kernels) for kind in range(3)]
+def _entry(module: ll.Module, kind: int) -> None:
+    """NAMES[kind]: the kernel for one kind of mask (each is built when first needed)."""
+    head = _head(module, kind, {mr: _block_kernel(module, mr) for mr in range(1, MR + 1)})
     malloc = declared(module, "malloc", PTR, [I64])
     free = declared(module, "free", VOID, [PTR])
-    f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAME)
-    q, k, v, out, mask, heads, group, t_, s, d, kind, *strides, scale, causal, lo, hi = f.args
+    f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAMES[kind])
+    q, k, v, out, mask, heads, group, t_, s, d, *strides, scale, causal, lo, hi = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
     scratch = b.call(malloc, [b.mul(b.mul(spad, b.add(d, I64(MR))), I64(4))])
@@ -268,17 +269,14 @@ def _entry(module: ll.Module) -> None:
         base = []
         for j, (p, head_) in enumerate(zip((q, k, v, out, mask), (h, kv, kv, h, h))):
             offset = b.add(b.mul(batch, strides[3 * j]), b.mul(head_, strides[3 * j + 1]))
-            # the mask's offsets count its elements (bytes for a boolean one)
-            size = b.select(b.icmp_signed("==", kind, I64(1)), I64(1), I64(4)) if j == 4 else I64(4)
-            base.append(b.gep(p, [b.mul(offset, size)], source_etype=ll.IntType(8)))
+            size = 1 if j == 4 and kind == 1 else 4  # a boolean mask's elements are bytes
+            base.append(b.gep(p, [b.mul(offset, I64(size))], source_etype=ll.IntType(8)))
         args = [x for pair_ in zip(base, (strides[3 * j + 2] for j in range(5))) for x in pair_]
-        for j, head in enumerate(heads_by_kind):
-            with b.if_then(b.icmp_signed("==", kind, I64(j))):
-                b.call(head, [*args, t_, s, d, scale, causal, scratch, scores])
+        b.call(head, [*args, t_, s, d, scale, causal, scratch, scores])
     b.call(free, [scratch])
     b.ret_void()
 
 
-def library(kernel: str = NAME) -> int:
+def library(kernel: str) -> int:
     """The kernel's address (jit.kernel: built alone when first needed)."""
-    return jit.kernel(kernel, _entry)
+    return jit.kernel(kernel, lambda module: _entry(module, NAMES.index(kernel)))

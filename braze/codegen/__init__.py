@@ -412,14 +412,14 @@ class ModuleBuilder:
         (batch, heads, queries, d), (kv_heads, keys) = k.meta.shape, operands[1].meta.shape[1:3]
         mask = self.slot_of(k.inputs[3]) if k.attrs["mask"] else None
         with self._ranged(b, table, "attention", k.meta.numel, batch * heads) as (kb, tbl, lo, hi):
-            fn = self.kernel(attention, attention.NAME, attention.ARGS)
+            fn = self.kernel(attention, attention.NAMES[k.attrs["mask"]], attention.ARGS)
             dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             ptrs = [self.pointer(kb, tbl, a) for a in operands]
             ptrs.append(ll.Constant(PTR, None) if mask is None else self._mask_pointer(kb, tbl, mask))
             strides = [dim(a.meta.stride[i]) for a in operands for i in range(3)]
             strides += [dim(x) for x in _broadcast_strides(mask.meta)[:3]] if mask else [I64(0)] * 3
             group = kb.sdiv(dim(heads), dim(kv_heads))
-            sizes = [dim(heads), group, dim(queries), dim(keys), dim(d), I64(k.attrs["mask"])]
+            sizes = [dim(heads), group, dim(queries), dim(keys), dim(d)]
             flags = [F32(k.attrs["scale"]), I64(int(k.attrs["causal"]))]
             kb.call(fn, [*ptrs, *sizes, *strides, *flags, lo, hi])
 
