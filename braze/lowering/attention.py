@@ -22,7 +22,7 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
     q, k, v, mask = given["query"], given["key"], given["value"], given.get("attn_mask")
     causal, grouped = given.get("is_causal", False), given.get("enable_gqa", False)
     if given.get("dropout_p", 0.0) != 0.0 or not isinstance(causal, bool) or not isinstance(grouped, bool):
-        raise NotNative("attention with dropout")
+        raise NotNative("attention with dropout, or whose is_causal or enable_gqa is not a constant")
     if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
         raise NotNative("attention of tensors that are not float32")
     mq, mk, mv = q.meta, k.meta, v.meta
