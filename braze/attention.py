@@ -31,12 +31,15 @@ from .codegen import (
     LANES16,
     PTR,
     VOID,
+    combine_lanes,
     counted_loop,
     declared,
     fma,
+    gather,
     lanes_below,
     masked_load,
     masked_store,
+    smaller,
     splat,
 )
 
@@ -46,7 +49,6 @@ MR, NR = 6, 32  # queries per block (12 accumulators), keys or head dimensions p
 # q, k, v, out, mask; heads, group, T, S, d; b, h, t strides of q, k, v, out and mask; scale,
 # causal, lo, hi
 ARGS = [PTR] * 5 + [I64] * 5 + [I64] * 15 + [F32, I64, I64, I64]
-V16P, V16I64 = ll.VectorType(PTR, 16), ll.VectorType(I64, 16)
 
 
 def _carried(
@@ -78,13 +80,6 @@ def _carried(
         final[-1].add_incoming(v, pre)
         final[-1].add_incoming(o, end)
     return final
-
-
-def _tree(b: ll.IRBuilder, v: ll.Value, op: Callable[[ll.Value, ll.Value], ll.Value]) -> ll.Value:
-    """op over the 16 lanes, halving each step (fast mode may reassociate)."""
-    for half in (8, 4, 2, 1):
-        v = op(v, b.shuffle_vector(v, v, ll.Constant(ll.VectorType(I32, 16), [(i + half) % 16 for i in range(16)])))
-    return b.extract_element(v, I32(0))
 
 
 def _block_kernel(module: ll.Module, mr: int) -> ll.Function:
@@ -126,18 +121,12 @@ def _block_kernel(module: ll.Module, mr: int) -> ll.Function:
 
 def _pack_keys(b: ll.IRBuilder, k: ll.Value, ldk: ll.Value, s: ll.Value, d: ll.Value, packed: ll.Value) -> None:
     """packed[p][c][j] = k[(32 p + j) ldk + c] (0 past the S keys): 16 keys a masked gather."""
-    module = b.module
-    gather = declared(module, "llvm.masked.gather.v16f32.v16p0", LANES16, [V16P, I32, ll.VectorType(I1, 16), LANES16])
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
-    base = splat(b, b.ptrtoint(k, I64), 16)
     with counted_loop(b, I64(0), spad, 16) as t:
         mask = lanes_below(b, b.sub(s, t))
-        keys = b.add(splat(b, t, 16), ll.Constant(V16I64, list(range(16))))
-        rows = b.add(base, b.mul(keys, splat(b, b.mul(ldk, I64(4)), 16)))
         dst = b.add(b.mul(b.sdiv(t, I64(NR)), b.mul(d, I64(NR))), b.srem(t, I64(NR)))
         with counted_loop(b, I64(0), d) as c:
-            ptrs = b.inttoptr(b.add(rows, splat(b, b.mul(c, I64(4)), 16)), V16P)
-            value = b.call(gather, [ptrs, I32(4), mask, ll.Constant(LANES16, [0.0] * 16)])
+            value = gather(b, k, b.add(b.mul(t, ldk), c), ldk, mask)
             b.store(value, b.gep(packed, [b.add(dst, b.mul(c, I64(NR)))], source_etype=F32), align=4)
 
 
@@ -171,7 +160,7 @@ def _softmax_rows(
             return [b.select(b.fcmp_ordered(">", value, acc[0]), value, acc[0])]  # NaN never wins
 
         (top,) = _carried(b, I64(0), s, 16, [low], most)
-        top = _tree(b, top, lambda x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
+        top = combine_lanes(b, top, lambda x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
         empty = b.fcmp_ordered("==", top, F32(float("-inf")))  # every score NaN or -inf: eager's row is 0
         top = splat(b, top, 16)
 
@@ -182,7 +171,7 @@ def _softmax_rows(
             return [b.fadd(acc[0], e)]
 
         (total,) = _carried(b, I64(0), extent, 16, [zero], exps)
-        inverse_sum = b.select(empty, F32(0.0), b.fdiv(F32(1.0), _tree(b, total, b.fadd)))
+        inverse_sum = b.select(empty, F32(0.0), b.fdiv(F32(1.0), combine_lanes(b, total, b.fadd)))
         b.store(inverse_sum, b.gep(inverse, [r], source_etype=F32))
 
 
@@ -220,11 +209,10 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
     inverse = b.alloca(F32, size=I64(MR))
     _pack_keys(b, k, ldk, s, d, packed)
     causal = b.icmp_signed("!=", causal, I64(0))
-    smallest = lambda x, y: b.select(b.icmp_signed("<", x, y), x, y)  # noqa: E731
     with counted_loop(b, I64(0), t_, MR) as i:
-        height = smallest(b.sub(t_, i), I64(MR))
+        height = smaller(b, b.sub(t_, i), I64(MR))
         # the keys this block's queries see: all, or (causal) up to its last query
-        limit = b.select(causal, smallest(s, b.add(i, height)), s)
+        limit = b.select(causal, smaller(b, s, b.add(i, height)), s)
 
         def block(args: list[ll.Value]) -> None:
             for mr in range(1, MR + 1):
@@ -235,7 +223,7 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
             col = b.mul(p, I64(NR))
             keys = at(packed, b.mul(col, d))
             block([at(q, b.mul(i, ldq)), ldq, keys, I64(NR), d, at(scores, col), spad, b.sub(limit, col)])
-        row_limit = lambda r: b.select(causal, smallest(s, b.add(b.add(i, r), I64(1))), s)  # noqa: E731
+        row_limit = lambda r: b.select(causal, smaller(b, s, b.add(b.add(i, r), I64(1))), s)  # noqa: E731
         masking = _masking(b, kind, mask, ldm, i)
         _softmax_rows(b, scores, height, row_limit, limit, spad, scale, masking, inverse)
         rows = at(out, b.mul(i, ldo))

@@ -34,17 +34,17 @@ import torch
 from . import jit
 from .codegen import (
     F32,
-    I32,
     I64,
     LANES16,
     PTR,
     VOID,
     counted_loop,
-    declared,
     fma,
+    gather,
     lanes_below,
     masked_load,
     masked_store,
+    smaller,
     splat,
 )
 
@@ -58,25 +58,11 @@ V16 = LANES16
 ZERO = ll.Constant(V16, [0.0] * LANES)
 
 
-def _gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mask: ll.Value) -> ll.Value:
-    """16 floats at base[first + lane * step] (lanes outside mask: 0)."""
-    lanes = ll.Constant(ll.VectorType(I64, LANES), list(range(LANES)))
-    offsets = b.mul(b.add(splat(b, first, LANES), b.mul(lanes, splat(b, step, LANES))), splat(b, I64(4), LANES))
-    addresses = b.add(splat(b, b.ptrtoint(base, I64), LANES), offsets)
-    pointers = b.inttoptr(addresses, ll.VectorType(PTR, LANES))
-    gather = declared(b.module, "llvm.masked.gather.v16f32.v16p0", V16, [pointers.type, I32, mask.type, V16])
-    return b.call(gather, [pointers, I32(4), mask, ZERO])
-
-
 def _clip(b: ll.IRBuilder, start: ll.Value, k: ll.Value, size: ll.Value) -> tuple[ll.Value, ll.Value]:
     """The taps [first, end) of a window of k from `start` that lie inside [0, size)."""
     first = b.select(b.icmp_signed("<", start, I64(0)), b.sub(I64(0), start), I64(0))
     room = b.sub(size, start)
     return first, b.select(b.icmp_signed("<", room, k), room, k)
-
-
-def _min(b: ll.IRBuilder, u: ll.Value, v: ll.Value) -> ll.Value:
-    return b.select(b.icmp_signed("<", u, v), u, v)
 
 
 @dataclass
@@ -121,17 +107,17 @@ def _kernel(name: str, module: ll.Module) -> None:
     k.seeds = b.alloca(V16, size=I64(k.group))
     k.acc = [b.alloca(V16) for _ in range(k.block * k.group)]
     # The pixels whose taps all lie inside the image: ow in [inner, outer).
-    inner = _min(b, b.sdiv(b.add(k.pw, b.sub(k.sw, I64(1))), k.sw), k.ow)
+    inner = smaller(b, b.sdiv(b.add(k.pw, b.sub(k.sw, I64(1))), k.sw), k.ow)
     reach = b.sub(b.add(k.wd, k.pw), k.kw)
     outer = b.select(b.icmp_signed("<", reach, I64(0)), I64(0), b.add(b.sdiv(reach, k.sw), I64(1)))
-    outer = _min(b, outer, k.ow)
+    outer = smaller(b, outer, k.ow)
     outer = b.select(b.icmp_signed("<", outer, inner), inner, outer)
     blocks_end = b.add(inner, b.mul(b.sdiv(b.sub(outer, inner), I64(k.block)), I64(k.block)))
     vectors = b.sdiv(b.add(k.c, I64(LANES - 1)), I64(LANES))
     with counted_loop(b, I64(0), vectors, k.group) as first:
         # one body per group width: a narrow group computes no vectors past the channels
         done = fn.append_basic_block("group_done")
-        switch = b.switch(_min(b, b.sub(vectors, first), I64(k.group)), done)
+        switch = b.switch(smaller(b, b.sub(vectors, first), I64(k.group)), done)
         for n in range(1, k.group + 1):
             block = fn.append_basic_block(f"group{n}")
             switch.add_case(I64(n), block)
@@ -154,7 +140,7 @@ def _group(b: ll.IRBuilder, k: _Call, n: int, first: ll.Value) -> list[ll.Value]
         mask = lanes_below(b, b.sub(k.c, c0))
         masks.append(mask)
         with counted_loop(b, I64(0), taps) as t:
-            filt = _gather(b, k.w, b.add(b.mul(c0, taps), t), taps, mask)
+            filt = gather(b, k.w, b.add(b.mul(c0, taps), t), taps, mask)
             b.store(filt, b.gep(k.filters, [b.add(b.mul(t, I64(k.group)), I64(v))], source_etype=V16))
         seeded = b.and_(mask, b.select(some, ll.Constant(mask.type, [1] * LANES), ll.Constant(mask.type, [0] * LANES)))
         seed = masked_load(b, b.gep(k.bias, [c0], source_etype=F32), seeded)  # no bias: no lane read

@@ -39,6 +39,7 @@ from .codegen import (
     I64,
     PTR,
     VOID,
+    combine_lanes,
     counted_loop,
     declared,
     fma,
@@ -269,11 +270,7 @@ def _reduce_all(b: ll.IRBuilder, op: Callable, x: ll.Value, n: ll.Value) -> ll.V
                 tail = _partial(b, b.gep(x, [whole], source_etype=F32), rest)
                 a = b.load(acc, typ=V16)
                 b.store(b.select(lanes_below(b, rest), op(b, a, tail), a), acc)
-            v = b.load(acc, typ=V16)
-            for step in (8, 4, 2, 1):
-                mask = ll.Constant(ll.VectorType(I32, WIDE), [i ^ step for i in range(WIDE)])
-                v = op(b, v, b.shuffle_vector(v, v, mask))
-            b.store(b.extract_element(v, I64(0)), result)
+            b.store(combine_lanes(b, b.load(acc, typ=V16), lambda x, y: op(b, x, y)), result)
     return b.load(result, typ=F32)
 
 

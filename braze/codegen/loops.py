@@ -344,6 +344,28 @@ _ARITH = {
 }
 
 
+def gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mask: ll.Value) -> ll.Value:
+    """16 floats at base[first + lane * step] (lanes outside mask: not read, and 0)."""
+    lanes = ll.Constant(ll.VectorType(I64, 16), list(range(16)))
+    offsets = b.mul(b.add(splat(b, first, 16), b.mul(lanes, splat(b, step, 16))), splat(b, I64(4), 16))
+    pointers = b.inttoptr(b.add(splat(b, b.ptrtoint(base, I64), 16), offsets), ll.VectorType(PTR, 16))
+    load = declared(b.module, "llvm.masked.gather.v16f32.v16p0", LANES16, [pointers.type, I32, mask.type, LANES16])
+    return b.call(load, [pointers, I32(4), mask, ll.Constant(LANES16, [0.0] * 16)])
+
+
+def combine_lanes(b: ll.IRBuilder, v: ll.Value, op: Callable[[ll.Value, ll.Value], ll.Value]) -> ll.Value:
+    """op over the 16 lanes as ATen's vec::reduce_all ends: lanes i and i^8, then i^4, i^2, i^1
+    combined (op(v, shuffled v) each time); lane 0."""
+    for step in (8, 4, 2, 1):
+        v = op(v, b.shuffle_vector(v, v, ll.Constant(ll.VectorType(I32, 16), [i ^ step for i in range(16)])))
+    return b.extract_element(v, I32(0))
+
+
+def smaller(b: ll.IRBuilder, u: ll.Value, v: ll.Value) -> ll.Value:
+    """The smaller of two integers."""
+    return b.select(b.icmp_signed("<", u, v), u, v)
+
+
 def split_between_threads(
     module: ll.Module, name: str, chunk: ll.Function, grain: Callable[[ll.IRBuilder, ll.Value, ll.Value], ll.Value]
 ) -> None:
