@@ -7,6 +7,7 @@ its backend, and if that fails too it runs eagerly with one warning.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -128,15 +129,80 @@ def _no_rng_setters() -> Iterator[None]:
 def trace(fn: Callable[..., Any], n_args: int) -> Captured:
     """Symbolically trace `fn` (an nn.Module or a function of tensors) into an FX graph."""
     tracer = _Tracer()
+    state = _ModuleState(fn)
     try:
         with _NoUntracedRandom(), _no_rng_setters():
             graph = tracer.trace(_traceable(fn, n_args))
     except Exception as e:  # FX raises many kinds: TraceError, TypeError, NotImplementedError...
+        state.restore()
         raise CaptureError(f"torch.fx could not trace {_name(fn)}: {type(e).__name__}: {e}") from e
+    changed = state.restore()
+    if changed:
+        raise CaptureError(
+            f"torch.fx could not trace {_name(fn)}: its forward changes {changed}, which eager does every call"
+        )
     # For a function, the tracer's own root holds the tensors it closes over (_tensor_constant0).
     inlined = ([fn] if isinstance(fn, torch.nn.Module) else []) + tracer.inlined
     traced = tuple({id(m): m for m in inlined if type(m) not in _CONTAINERS}.values())
     return Captured(graph, tracer.root, traced)
+
+
+class _ModuleState:
+    """The Python state of a model's modules (their attributes, and the contents of those that
+    are dicts, lists or sets), to put back after tracing. A forward that changes it (a cache
+    filled on the first call, a counter) ran once, on proxies: the model kept proxies (timm's
+    LeViT its attention-bias cache, which then broke `copy.deepcopy` of the model), and the
+    graph would not change the state as eager does on every call."""
+
+    def __init__(self, fn: Any) -> None:
+        modules = fn.named_modules() if isinstance(fn, torch.nn.Module) else ()
+        self.saved = [(name, m, _state(m), {k: _copy(v) for k, v in _state(m).items()}) for name, m in modules]
+
+    def restore(self) -> str:
+        """Put the state back; what had changed ('' if nothing)."""
+        changed = []
+        for name, m, attrs, contents in self.saved:
+            now = vars(m)
+            keys = [k for k in _state(m) if k not in attrs or not _same(now[k], attrs[k])]
+            for k in keys:
+                if k in attrs:
+                    now[k] = attrs[k]
+                else:
+                    del now[k]
+            for k, saved in contents.items():
+                if saved is not None and _ids(attrs[k]) != _ids(saved):
+                    keys.append(k)
+                    attrs[k].clear()
+                    if isinstance(saved, list):
+                        attrs[k].extend(saved)
+                    else:
+                        attrs[k].update(saved)
+            changed += [f"{name}.{k}" if name else k for k in keys]
+        return ", ".join(dict.fromkeys(changed))
+
+
+_SCALARS = (bool, int, float, str, type(None))
+# What a forward may register on its module (Hugging Face's rotary embeddings register their
+# buffer again in forward): the graph reads the module's registries when it runs, not the trace.
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def _state(m: torch.nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(m).items() if k not in _REGISTRIES}
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, _SCALARS) and a == b)
+
+
+def _copy(v: Any) -> Any:
+    """A shallow copy of a dict, list or set; None for anything else."""
+    return type(v)(v) if type(v) in (dict, list, set, collections.OrderedDict) else None
+
+
+def _ids(v: Any) -> list:
+    """A container's contents by identity (values never compared: they may be tensors)."""
+    return [(k, id(x)) for k, x in v.items()] if isinstance(v, dict) else [id(x) for x in v]
 
 
 def _traceable(fn: Callable[..., Any], n_args: int) -> Callable[..., Any]:
