@@ -279,3 +279,28 @@ def test_the_dynamic_setting_survives_pickling():
     for dynamic in (None, True, False):
         again = pickle.loads(pickle.dumps(braze.compile(lesson(), dynamic=dynamic)))
         assert again.dynamic is dynamic
+
+
+class ConvKeywords(nn.Module):
+    """A convolution with a forward of **kwargs: TorchDynamo captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x, **kwargs):
+        return torch.relu(self.conv(x))
+
+
+def test_an_images_batch_starts_symbolic_and_its_height_and_width_static():
+    # symbolic heights and widths cost TorchDynamo's trace of a Swin 30-46 s instead of 1.2 s
+    model = ConvKeywords()
+    compiled = braze.compile(model)
+    with torch.no_grad():
+        for shape in [(2, 3, 8, 8), (3, 3, 8, 8), (5, 3, 8, 8), (2, 3, 12, 9)]:
+            x = torch.randn(shape)
+            assert_same(compiled(x, scale=1), model(x, scale=1))
+    first, again = compiled._subgraphs  # another height and width: TorchDynamo traced again
+    assert [d for places in first.symbolic for _, d in places if d >= 0] == [0]  # (-1: an int argument)
+    assert len(first.compilations) == 1
