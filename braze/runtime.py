@@ -340,7 +340,7 @@ class Program:
         big = scalar >= config.optimize_threshold and self.family is None
         level = config.opt_level if big else 0
         names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + clock + dims
-        compiled = compile_module(text, names, level, want)
+        compiled = compile_module(text, names, level, want, only=set(mb.scalar_loops))
         self.timings += compiled.timings
         self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
         addr = compiled.addresses

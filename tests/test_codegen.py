@@ -89,3 +89,17 @@ def test_vector_math_calls_mkl_once_per_threads_share():
     assert not re.findall(r"define internal void @\"loop\d+\"", ir) and "GOMP_parallel" not in ir
     ir = report(lambda x: torch.exp(x[:, ::2]), torch.randn(5, 8))["LLVM IR"]  # a copy, then in place
     assert len(re.findall(r"define internal void @\"loop\d+\"", ir)) == 1
+
+
+def test_only_loops_left_scalar_go_through_the_optimiser():
+    # Vector loops gain nothing from it and made the first call of timm's Swin seconds longer.
+    w = torch.randn(16, 64)
+    with config.patch(optimize_threshold=0):
+        s = report(lambda x: F.linear((x.t() * 2).contiguous(), w).relu(), torch.randn(64, 32))
+    functions = re.findall(r"define [^@]*@\"?([\w.]+)\"?\(.*\{", s["optimised LLVM IR"])
+    optnone = re.findall(r"define [^@]*@\"?([\w.]+)\"?\(.*#(\d+)", s["optimised LLVM IR"])
+    groups = {g: line for g, line in re.findall(r"^attributes #(\d+) = \{(.*)\}", s["optimised LLVM IR"], re.M)}
+    skipped = {name for name, g in optnone if "optnone" in groups[g]}
+    scalar = [f for f in functions if f not in skipped]
+    assert len(scalar) == 1 and scalar[0].startswith("loop"), (functions, skipped)  # the strided x.t() * 2
+    assert any(f.endswith("_seg0") for f in skipped)

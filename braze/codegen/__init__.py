@@ -110,7 +110,8 @@ class ModuleBuilder:
         self._used: dict[str, int] = {}
         # Elements of the loops codegen could not vectorise itself (strided innermost accesses):
         # what LLVM's optimiser could still speed up (runtime decides whether to run it).
-        self.scalar_work: list[Dim] = []
+        self.scalar_work: list[Dim] = []  # elements per call of the loops left scalar (strided)
+        self.scalar_loops: list[str] = []  # their functions: the only ones LLVM's optimiser gets
         self.clock: ll.GlobalVariable | None = None  # cycles spent in BLAS calls (config.blas_clock)
         if blas_clock:
             self.clock = ll.GlobalVariable(self.module, I64, f"{prefix}_blas_cycles")
@@ -263,6 +264,7 @@ class ModuleBuilder:
         vector = vector and (not isinstance(sizes[-1], int) or sizes[-1] >= WIDTH)
         if not vector:
             self.scalar_work.append(shape_meta.numel)
+            self.scalar_loops.append(kern.name)
         emitter = _BodyEmitter(body, accesses, loops, operands, out.meta.dtype == torch.bool)
         _nest(kb, sizes, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
