@@ -11,6 +11,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,10 +46,32 @@ class _Tracer(torch.fx.Tracer):
         super().__init__()
         self.inlined: list[torch.nn.Module] = []
 
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _Proxy(node, self)
+
     def call_module(self, m: torch.nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         if not self.is_leaf_module(m, self.path_of_module(m)):
             self.inlined.append(m)
         return super().call_module(m, forward, args, kwargs)
+
+
+class _Proxy(torch.fx.Proxy):
+    """FX's proxy, recording augmented assignments as what they are: FX's own has no `__iadd__`,
+    so Python ran `v += 1` as `v = v + 1`, and another name for v's tensor (the tensor v views,
+    a second variable) kept the old values where eager changes them. Recorded as operator.iadd,
+    lowering sees the change in place (and runs eagerly what it cannot functionalise)."""
+
+
+def _in_place(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def method(self: torch.fx.Proxy, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+_AUGMENTED = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor")
+for _op in (*_AUGMENTED, "ilshift", "irshift"):
+    setattr(_Proxy, f"__{_op}__", _in_place(getattr(operator, _op)))
 
 
 # Factories that FX would run once while tracing and bake in as constants, when eager draws

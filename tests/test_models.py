@@ -449,6 +449,61 @@ def test_in_place_on_intermediates_is_functionalised():
     check_model(f, (torch.randn(9),))
 
 
+def test_in_place_on_the_only_view_of_an_intermediate_is_functionalised():
+    w = torch.randn(16, 8)
+
+    def falcon(x, a):  # Falcon's `mlp_output += attention_output`: a GEMM's output, reshaped
+        y = x @ w
+        y += a
+        return y.relu()
+
+    check_model(falcon, (torch.randn(2, 5, 16), torch.randn(2, 5, 8)), externs=0)
+
+    def bart(ids):  # BART's shift_tokens_right: items of a new tensor set, twice, then read
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2
+        shifted[shifted > 5] = 1  # (positions that depend on the values: never made once)
+        return shifted * 3
+
+    compiled = braze.compile(bart)
+    for _ in range(3):
+        check_model(bart, (torch.randint(0, 9, (2, 7)),), compiled=compiled)
+    assert compiled.programs(), "compiled, not run eagerly"
+
+
+def test_in_place_on_a_view_seen_elsewhere_runs_eagerly():
+    def f(x):
+        y = x * 2
+        v = y.view(-1)
+        v += 1  # changes y too
+        return y
+
+    compiled = braze.compile(f)
+    with pytest.warns(braze.BrazeWarning, match="changes a view in place"):
+        check_model(f, (torch.randn(3, 4),), compiled=compiled, fallback=True)
+
+
+def test_augmented_assignments_change_every_name_of_the_tensor():
+    def two_names(x):  # FX had traced `z += 1` as `z = z + 1`: y kept its old values
+        y = x * 2
+        z = y
+        z += 1
+        return y
+
+    check_model(two_names, (torch.randn(3, 4),), kernels=1)
+
+    def on_the_input(x):
+        x -= 1
+        return x * 2
+
+    compiled, a = braze.compile(on_the_input), torch.randn(5)
+    b = a.clone()
+    with pytest.warns(braze.BrazeWarning, match="in place"):
+        out = compiled(a)
+    assert torch.equal(out, on_the_input(b)) and torch.equal(a, b), "the caller's tensor changed as eager changes it"
+
+
 def test_structured_outputs_keyword_and_constant_arguments():
     def f(x, y, scale=2.0, flag=True):
         s = x * scale + y

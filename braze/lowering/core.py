@@ -240,7 +240,10 @@ class Lowerer:
         if node.op == "call_method":
             fn = getattr(torch.Tensor, node.target)
             return self.call(fn, args, kwargs, key=node.target, label=f".{node.target}")
-        return self.call(node.target, args, kwargs, key=node.target, label=_fn_name(node.target))
+        target = node.target
+        if target is operator.setitem and isinstance(args[0], Sym) and args[0].is_tensor:
+            target = _assign  # returns the tensor it changed, which later nodes read
+        return self.call(target, args, kwargs, key=node.target, label=_fn_name(node.target))
 
     def call(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str) -> Any:
         """Lower one torch-level call: fold constants, else a native row, else EXTERN."""
@@ -320,8 +323,10 @@ class Lowerer:
                 self.layout_read.add(self.view_root.get(v.name, v.name))
 
     def _functionalize(self, mutated: Sym, result: Any, label: str) -> None:
-        if self.ops[mutated.name] in (Op.INPUT, Op.PARAM) or mutated.name in self.base:
-            raise Unsupported(f"{label} changes a model input, parameter or view in place")
+        if self.ops[self.owner(mutated.name)] in (Op.INPUT, Op.PARAM):
+            raise Unsupported(f"{label} changes a model input or parameter in place")
+        if mutated.name in self.base and not self._sole_alias(mutated):
+            raise Unsupported(f"{label} changes a view in place")
         if mutated.name in self.viewed:
             raise Unsupported(f"{label} changes in place a value that has views")
         if not isinstance(result, Sym):
@@ -329,6 +334,14 @@ class Lowerer:
         for k, v in self.env.items():
             if v is mutated:
                 self.env[k] = result
+
+    def _sole_alias(self, view: Sym) -> bool:
+        """Whether no value of the traced graph but `view` reaches its memory: a GEMM's output
+        reshaped (Falcon's `mlp_output += attention_output`), a value changed in place before.
+        Changing it in place then changes no other value, and it can be replaced by the result."""
+        owner = self.owner(view.name)
+        values = [v for v in pytree.tree_leaves(list(self.env.values())) if isinstance(v, Sym)]
+        return all(v.name == view.name or self.owner(v.name) != owner for v in values)
 
     def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
         result = self._load(out_node.args[0])
@@ -505,6 +518,12 @@ def _aliased(out: Any, inputs: dict[str, Any]) -> str | None:
         if _strided(t) and t.untyped_storage()._cdata in storages:
             return storages[t.untyped_storage()._cdata]
     return None
+
+
+def _assign(t: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """`t[index] = value` (operator.setitem), then `t`: its result as a value of the graph."""
+    t[index] = value
+    return t
 
 
 def _fn_name(fn: Any) -> str:
