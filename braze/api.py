@@ -307,7 +307,7 @@ class CompiledFunction:
             prog = None
         if prog is None:
             prog = self._covering(key, args)
-        if prog is not None and prog.stale:
+        if isinstance(prog, Program) and prog.stale:
             # The generic program's ATen call gave these sizes another layout than its family's
             # (ATen's size-1 special cases): they get a program of their own (it was handed the
             # same program back, forever); the family keeps its other sizes.

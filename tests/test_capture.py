@@ -217,3 +217,19 @@ def test_a_forward_that_changes_module_state_keeps_eagers_state():
     assert all(type(v) is torch.Tensor for v in model.cache.values()), model.cache
     copy.deepcopy(model)
     assert compiled._subgraphs, "TorchDynamo replays the state changes: it captures such a forward"
+
+
+def test_a_graph_braze_runs_eagerly_keeps_running_through_dynamo():
+    # A signature cached as eager was taken for a stale program on its second call: AttributeError.
+    def f(x):
+        y = x * 2
+        y.t().add_(1)  # changes y through a view: braze runs this graph eagerly
+        return y
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="braze")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", braze.BrazeWarning)
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            assert_same(compiled(x), f(x.clone()))
