@@ -472,6 +472,28 @@ def test_in_place_on_the_only_view_of_an_intermediate_is_functionalised():
     assert compiled.programs(), "compiled, not run eagerly"
 
 
+def eval_identity(t):
+    """As torchvision's stochastic_depth in eval: its input itself, from a call braze does not lower."""
+    return t
+
+
+torch.fx.wrap("eval_identity")
+
+
+def test_in_place_on_a_value_nothing_reads_later_is_functionalised():
+    # torchvision's EfficientNet: `result = stochastic_depth(block(x)); result += x`, where the
+    # block's output, aliased by result, is read by nothing else (it had run eagerly)
+    w = torch.randn(8, 8)
+
+    def f(x):
+        y = (x @ w) * 2
+        z = eval_identity(y)
+        z += x
+        return z.relu()
+
+    check_model(f, (torch.randn(3, 8),), externs=1)
+
+
 def test_in_place_on_a_view_seen_elsewhere_runs_eagerly():
     def f(x):
         y = x * 2

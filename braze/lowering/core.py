@@ -336,11 +336,15 @@ class Lowerer:
                 self.env[k] = result
 
     def _sole_alias(self, view: Sym) -> bool:
-        """Whether no value of the traced graph but `view` reaches its memory: a GEMM's output
-        reshaped (Falcon's `mlp_output += attention_output`), a value changed in place before.
-        Changing it in place then changes no other value, and it can be replaced by the result."""
+        """Whether no value of the traced graph that is still to be read but `view` reaches its
+        memory: a GEMM's output reshaped (Falcon's `mlp_output += attention_output`), a value
+        changed in place before, what torchvision's StochasticDepth hands back in eval (its input,
+        read by nothing else). Changing it in place then changes no value read later, and it
+        can be replaced by the result. (The node being lowered is not in env yet: its operands
+        count as still to be read.)"""
         owner = self.owner(view.name)
-        values = [v for v in pytree.tree_leaves(list(self.env.values())) if isinstance(v, Sym)]
+        live = [v for node, v in self.env.items() if any(user not in self.env for user in node.users)]
+        values = [v for v in pytree.tree_leaves(live) if isinstance(v, Sym)]
         return all(v.name == view.name or self.owner(v.name) != owner for v in values)
 
     def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
