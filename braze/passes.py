@@ -75,6 +75,16 @@ def _fusable_into(p: Node, n: Node, users: dict[str, list[Node]], outputs: set[s
     return p.op in ELEMENTWISE and only_n and p.name not in outputs and p.meta.shape == n.meta.shape
 
 
+def _changes_between(graph: Graph) -> Callable[[str, str], bool]:
+    """across(a, b): whether an ATen call between nodes a and b changes a value in place. Fusion
+    moves a producer's loop down to its consumer, and an epilogue's up to its GEMM: across such
+    a call the loop would read what the call changed (or the call what the loop had not yet
+    written), where eager's order reads it before."""
+    at = {n.name: i for i, n in enumerate(graph.nodes)}
+    changing = [i for i, n in enumerate(graph.nodes) if n.attrs.get("mutates")]
+    return lambda a, b: any(at[a] < i < at[b] for i in changing)
+
+
 def fuse_elementwise(graph: Graph) -> Graph:
     """Group chains and trees of elementwise nodes into FUSED nodes (one loop each).
 
@@ -82,6 +92,7 @@ def fuse_elementwise(graph: Graph) -> Graph:
     output, and both iterate over the same shape, so the value never touches memory.
     """
     users, outputs = graph.users(), set(graph.outputs)
+    across = _changes_between(graph)
     group: dict[str, list[Node]] = {}
     for n in graph.nodes:
         if n.op not in ELEMENTWISE:
@@ -89,7 +100,7 @@ def fuse_elementwise(graph: Graph) -> Graph:
         members: list[Node] = []
         for p in dict.fromkeys(n.value_inputs()):
             prod = next(x for x in graph.nodes if x.name == p)
-            if p in group and _fusable_into(prod, n, users, outputs):
+            if p in group and _fusable_into(prod, n, users, outputs) and not across(p, n.name):
                 members += group.pop(p)
         group[n.name] = members + [n]
     absorbed = {m.name for body in group.values() for m in body[:-1]}
@@ -115,12 +126,14 @@ def fuse_epilogue(graph: Graph) -> Graph:
     element is read and written at the same address while it is still in cache.
     """
     users, outputs = graph.users(), set(graph.outputs)
+    across = _changes_between(graph)
     fold: dict[str, Node] = {}  # FUSED name -> GEMM it absorbs
     for n in graph.nodes:
         if n.op is not Op.GEMM or n.body or n.name in outputs:
             continue
         us = users[n.name]
-        if len(us) >= 1 and all(u is us[0] for u in us) and us[0].op is Op.FUSED and us[0].meta == n.meta:
+        one = len(us) >= 1 and all(u is us[0] for u in us)
+        if one and us[0].op is Op.FUSED and us[0].meta == n.meta and not across(n.name, us[0].name):
             fold[us[0].name] = n
     if not fold:
         return graph

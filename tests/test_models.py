@@ -494,6 +494,33 @@ def test_in_place_on_a_value_nothing_reads_later_is_functionalised():
     check_model(f, (torch.randn(3, 8),), externs=1)
 
 
+def _set_item(y):
+    y[0] = 5.0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_set_item, lambda y: y.index_put_((torch.tensor([0]),), torch.tensor(5.0)), lambda y: y.copy_(y.flip(0))],
+    ids=["setitem", "index_put_", "copy_"],
+)
+@pytest.mark.parametrize("capture", ["fx", "dynamo"])
+def test_loops_are_not_fused_across_an_aten_call_that_changes_their_input(change, capture):
+    # `a` was fused into `a + 1`'s loop, after the call: it read y as changed (wrong answers)
+    def f(x):
+        y = x * 2
+        a = y * 3
+        change(y)
+        return a + 1, y
+
+    torch._dynamo.reset()
+    compiled = braze.compile(f) if capture == "fx" else torch.compile(f, backend="braze")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", braze.BrazeWarning)  # compiled, not run eagerly
+            assert_same(compiled(x), f(x.clone()))
+
+
 def test_in_place_on_a_view_seen_elsewhere_runs_eagerly():
     def f(x):
         y = x * 2
