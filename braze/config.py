@@ -23,9 +23,9 @@ debug_dir: str = os.environ.get("BRAZE_DEBUG_DIR", "")
 cache_size: int = _env_int("BRAZE_CACHE_SIZE", 8)
 # Run ir.verify after every pass (always on in tests and when debug >= 1).
 verify: bool = bool(_env_int("BRAZE_VERIFY", 0))
-# LLVM optimiser speed level for programs whose loops that codegen could not vectorise (strided
-# innermost accesses) touch at least `optimize_threshold` elements per call; other programs
-# skip the optimiser (codegen writes vector loops itself). 0 never optimises.
+# LLVM optimiser speed level for the loops codegen could not vectorise (strided innermost
+# accesses), in programs where those touch at least `optimize_threshold` elements per call; the
+# rest of the program skips the optimiser (codegen writes vector loops itself). 0 never optimises.
 opt_level: int = _env_int("BRAZE_OPT", 2)
 optimize_threshold: int = _env_int("BRAZE_OPTIMIZE_THRESHOLD", 1 << 16)
 # Elementwise loops with at least this many elements run on torch.get_num_threads() threads
