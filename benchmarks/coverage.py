@@ -48,8 +48,8 @@ def _encoder_decoder(batch: int, length: int) -> tuple:
     return (torch.randint(0, 500, (batch, length)), None, torch.randint(0, 500, (batch, length)))
 
 
-def _image(size: int) -> Callable[[int, int], tuple]:
-    return lambda batch, _: (torch.randn(batch, 3, size, size),)
+def _image(batch: int, size: int) -> tuple:
+    return (torch.randn(batch, 3, size, size),)
 
 
 # Each text model's two calls: (batch, length)
@@ -163,10 +163,9 @@ _FIXED_SIZE = ("deit", "mixer", "levit", "swin", "fastvit", "efficientvit")
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], list[tuple]]] = {
     **{n: (b, [_ids(*s) for s in TEXT_SHAPES]) for n, b in TEXT.items()},
     **{n: (b, [_encoder_decoder(*s) for s in TEXT_SHAPES]) for n, b in SEQ2SEQ.items()},
-    **{n: (b, [_image(64 if "mobilevit" in n else 32)(k, 0) for k in (1, 2)]) for n, b in HF_VISION.items()},
+    **{n: (b, [_image(k, 64 if "mobilevit" in n else 32) for k in (1, 2)]) for n, b in HF_VISION.items()},
     **{
-        n: (b, [_image(224)(1, 0), _image(224 if any(f in n for f in _FIXED_SIZE) else 160)(2, 0)])
-        for n, b in VISION.items()
+        n: (b, [_image(1, 224), _image(2, 224 if any(f in n for f in _FIXED_SIZE) else 160)]) for n, b in VISION.items()
     },
 }
 GROUPS = {"text": [*TEXT, *SEQ2SEQ], "vision": [*HF_VISION, *VISION]}

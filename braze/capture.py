@@ -69,8 +69,8 @@ def _in_place(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     return method
 
 
-_AUGMENTED = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor")
-for _op in (*_AUGMENTED, "ilshift", "irshift"):
+_AUGMENTED = "iadd isub imul itruediv ifloordiv imod ipow imatmul iand ior ixor ilshift irshift".split()
+for _op in _AUGMENTED:
     setattr(_Proxy, f"__{_op}__", _in_place(getattr(operator, _op)))
 
 
@@ -179,7 +179,8 @@ class _ModuleState:
 
     def __init__(self, fn: Any) -> None:
         modules = fn.named_modules() if isinstance(fn, torch.nn.Module) else ()
-        self.saved = [(name, m, _state(m), {k: _copy(v) for k, v in _state(m).items()}) for name, m in modules]
+        states = [(name, m, _state(m)) for name, m in modules]
+        self.saved = [(name, m, state, {k: _copy(v) for k, v in state.items()}) for name, m, state in states]
 
     def restore(self) -> str:
         """Put the state back; what had changed ('' if nothing)."""
