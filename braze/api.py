@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import capture, config, debug, entry, jit, signatures
+from . import capture, config, debug, entry, signatures
 from .dims import Undecided
 from .lowering import Unsupported, lower
 from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
@@ -287,9 +287,7 @@ class CompiledFunction:
             self._reset()
             self._why = "the model's submodules were replaced"
         try:
-            # GEMMs are native only in full float32 matmul precision, and small ones run on one
-            # thread where MKL's thread count gives the same bits: a program per precision and count
-            key = signatures.signature(args) + self._trace_state() + (jit.matmul_precision(), jit.mkl_threads())
+            key = signatures.signature(args) + self._trace_state() + signatures.global_state()
         except Exception:  # e.g. a sparse tensor has no strides
             return self._eager("an argument braze cannot describe", args, {})
         if any(isinstance(a, torch.Tensor) and not signatures.plain_cpu(a) for a in args):

@@ -49,6 +49,7 @@ from .jit import (
     MATMUL,
     MKL_THREADS,
     MKLDNN,
+    MKLDNN_ENABLED,
     REQUIRES_GRAD,
     TENSOR_OFFSET,
     TLS_GUARD,
@@ -92,6 +93,7 @@ class EntrySpec:
     epoch_value: int
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     mkl_threads: int  # jit.mkl_threads() the one-thread GEMMs were probed for; -1: none
+    mkldnn: int  # 1: the program needs torch.backends.mkldnn enabled (onednn.py); -1: it does not
     outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout as words) allocated per call and returned
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes as a word) of buffers kept across calls
@@ -116,6 +118,7 @@ def ref(slot: int) -> int:
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
+    "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error"
 ).split()
@@ -159,6 +162,7 @@ class Descriptor:
         self.set("epoch_value", spec.epoch_value)
         self.set("matmul_precision", spec.matmul_precision)
         self.set("mkl_threads", spec.mkl_threads)
+        self.set("mkldnn", spec.mkldnn)
         self.set("n_args", spec.n_args)
         self._set_array("symbols", "n_symbols", [w for sym in spec.symbols for w in sym], len(spec.symbols))
         self._set_array(
@@ -411,6 +415,7 @@ class _Runtime:
         require(b.icmp_signed("==", dtype, f("default_dtype")))
         self._check_matmul_precision(b, d, require)
         self._check_mkl_threads(b, d, require)
+        self._check_mkldnn(b, d, require)
         self._python_body(b, d, args, nargs)
         b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)
@@ -531,6 +536,14 @@ class _Runtime:
         with b.if_then(b.icmp_signed(">=", want, I64(0))):
             have = b.call(self.mb.declare(MKL_THREADS, I32, []), [])
             require(b.icmp_signed("==", b.sext(have, I64), want))
+
+    def _check_mkldnn(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
+        """torch.backends.mkldnn is enabled where the program computes what ATen computes
+        through oneDNN only then (disabled, eager's gelu runs another kernel)."""
+        with b.if_then(b.icmp_signed(">=", self.field(b, d, "mkldnn"), I64(0))):
+            context = b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])
+            enabled = b.call(self.mb.declare(MKLDNN_ENABLED, I8, [PTR]), [context])
+            require(b.icmp_unsigned("!=", enabled, I8(0)))
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or

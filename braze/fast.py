@@ -13,7 +13,6 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              most of it the call; their global average pool, a GEMM of ones (lowering/pool.py)
     direct   a depthwise convolution of channels-last pixels up to 8 MFLOP, and one of an NCHW
              input of up to 4 channels (a network's first): braze's kernels (directconv.py)
-    gelu     the erf form: braze's polynomials (fastmath.py)
     sdpa     attention (causal or masked, not dropout): braze's kernel (attention.py)
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.

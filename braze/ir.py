@@ -29,6 +29,9 @@ class Op(enum.Enum):
     NEG = "neg"
     ABS = "abs"
     RSQRT = "rsqrt"  # 1 / sqrt(x), both IEEE (ATen's rsqrt here; checked by a probe when lowering)
+    # gelu's erf form as oneDNN's avx512_core kernel computes it (ATen's gelu of a contiguous
+    # float32 input here; checked by a probe when lowering): a polynomial per quarter binade
+    GELU_ERF = "gelu_erf"
     RELU = "relu"
     LEAKY_RELU = "leaky_relu"  # attrs: slope
     CLAMP = "clamp"  # attrs: lo, hi (either may be None)
@@ -47,8 +50,7 @@ class Op(enum.Enum):
     CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
     VML = "vml"  # MKL's vector math function attrs['fn'] (vmsExp...) on the input, as ATen calls it
     # ATen's Sleef-based activation attrs['fn'] (sigmoid, silu, gelu_tanh) of a contiguous input, with
-    # ATen's loop: its threads' chunks, 32-element vector steps and scalar tails (sleef.py); in fast
-    # mode also fastmath.py's own (gelu_erf).
+    # ATen's loop: its threads' chunks, 32-element vector steps and scalar tails (sleef.py).
     ACTIVATION = "activation"
     # Each row of inputs[0] (contiguous) normalised over its attrs['n'] elements, times inputs[1]
     # plus inputs[2], with ATen's arithmetic (rows.py); attrs: n, rows, eps.
@@ -76,7 +78,7 @@ class Op(enum.Enum):
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
 
-UNARY = frozenset({Op.NEG, Op.ABS, Op.RSQRT, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
+UNARY = frozenset({Op.NEG, Op.ABS, Op.RSQRT, Op.GELU_ERF, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE, Op.FMA}

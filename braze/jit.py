@@ -53,6 +53,8 @@ TLS_GUARD_END = "_ZN3c104impl23ExcludeDispatchKeyGuardD1Ev"
 GLOBAL_CONTEXT = "_ZN2at13globalContextEv"
 FP32_PRECISION = "_ZNK2at7Context16float32PrecisionENS_14Float32BackendENS_9Float32OpE"
 MKLDNN, MATMUL = 2, 3
+# at::Context::userEnabledMkldnn() const: torch.backends.mkldnn.enabled, which ATen's gelu consults
+MKLDNN_ENABLED = "_ZNK2at7Context17userEnabledMkldnnEv"
 FULL_PRECISION = (0, 1)
 # MKL's thread count for its calls from this thread (torch.set_num_threads sets it per thread), and
 # the per-thread override a one-thread GEMM sets around its sgemm_ (it returns the one it replaced).
@@ -132,7 +134,7 @@ def _bind_symbols() -> None:
     for name in _SHIM:
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
-    for name in (FN_MODE, GLOBAL_CONTEXT, FP32_PRECISION):
+    for name in (FN_MODE, GLOBAL_CONTEXT, FP32_PRECISION, MKLDNN_ENABLED):
         llvm.add_symbol(name, _address(cpu, name))
     for name in (REQUIRES_GRAD, DEFAULT_DTYPE, TLS_GUARD, TLS_GUARD_END):
         llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))

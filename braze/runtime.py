@@ -305,6 +305,7 @@ class Program:
             epoch_value=guard.epoch_value,
             matmul_precision=matmul_precision() if self._gemms() else -1,
             mkl_threads=mkl_threads() if self._one_thread_gemms() else -1,
+            mkldnn=1 if self._onednn() else -1,
             outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=scratch if self.native else (),
@@ -383,6 +384,12 @@ class Program:
     def _one_thread_gemms(self) -> bool:
         one = lambda k: k.attrs.get("one_thread", False) or k.attrs.get("one_thread_sizes")  # noqa: E731
         return any(one(k) for s in self.segments for k in s.kernels)
+
+    def _onednn(self) -> bool:
+        """Whether the program computes what ATen computes through oneDNN only while
+        torch.backends.mkldnn is enabled (gelu's erf form)."""
+        body = lambda k: k.attrs.get("body", (k,))  # noqa: E731
+        return any(n.op is Op.GELU_ERF for s in self.segments for k in s.kernels for n in body(k))
 
     def _flops(self) -> int:
         """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element

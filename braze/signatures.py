@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from . import jit
 from .ir import contiguous_strides
 from .lowering.generic import NO_LIMIT, Family, Place
 from .runtime import Program
@@ -54,7 +55,15 @@ class Compilation:
     ms: float
 
 
-_STATE = ("the default dtype", "ATen's float32 matmul precision", "MKL's thread count")
+_STATE = ("the default dtype", "ATen's float32 matmul precision", "MKL's thread count", "torch.backends.mkldnn.enabled")
+
+
+def global_state() -> tuple:
+    """The process's settings a program's bits depend on, after the default dtype (the trace's):
+    GEMMs are native only in full float32 matmul precision, and small ones run on one thread where
+    MKL's thread count gives the same bits; gelu's erf form is oneDNN's only while oneDNN is
+    enabled. A program per combination (the entry checks each one its program depends on)."""
+    return (jit.matmul_precision(), jit.mkl_threads(), torch.backends.mkldnn.enabled)
 
 
 def difference(old: tuple | None, new: tuple) -> str:

@@ -496,36 +496,10 @@ def test_outputs_are_laid_out_as_eagers(dynamo, channels_last):
     assert all(measure(g, w, r).ok for g, w, r in zip(got, want, ref))
 
 
-def _gelu_bands() -> list[torch.Tensor]:
-    """2^20 values and more, in bands whose own scale sets the contract's floor: tiny, around
-    the table's intervals, the negative tail where 1 + erf cancels, large; then special values."""
-    gen = torch.Generator().manual_seed(0)
-    bands = [torch.randn(2**18 + 17, generator=gen) * s for s in (1e-3, 0.1, 1.0, 3.0, 1e3)]
-    bands.append(-2 - 6 * torch.rand(2**18 + 33, generator=gen))
-    special = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -(2**-4), 2**-4, 8.0, -8.0, 5.6, -5.6, 3e38, -3e38]
-    bands.append(torch.tensor(special + [float("inf"), -float("inf"), float("nan")]))
-    return bands
-
-
-@pytest.mark.parametrize("n", [1, 2])
-def test_fast_gelu_keeps_the_contract_over_a_million_values(n, threads):
-    """fastmath.py's gelu against float64 in each band (NaN for NaN and both infinities, as
-    eager; signed zeros kept), on 1 and 2 threads."""
-    from braze import fastmath
-
-    threads(n)
-    for x in _gelu_bands():
-        got, eager = fastmath.run("gelu_erf", x), torch.nn.functional.gelu(x)
-        report = measure(got, eager, torch.nn.functional.gelu(x.double()))
-        assert report.ok, (x[:3], str(report))
-        zeros = x == 0
-        assert torch.equal(got[zeros].signbit(), eager[zeros].signbit())
-
-
 @pytest.mark.parametrize("size", [1, 7, 15, 16, 17, 33, 257, 32769])
 def test_gelu_is_native_in_fast_mode(size):
-    """After a linear, in fast mode: fastmath.py's kernel (no ATen call), any length, within the
-    contract; a strided input stays ATen's, said why."""
+    """After a linear, in fast mode: eager's own arithmetic (onednn.py, no ATen call), any length,
+    within the contract; a strided input stays ATen's, said why."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, size), nn.GELU(), nn.Linear(size, 3)).eval()
     compiled = braze.compile(model, mode="fast")
@@ -533,7 +507,7 @@ def test_gelu_is_native_in_fast_mode(size):
     with torch.no_grad():
         assert _within(compiled, model, x)
     (prog,) = compiled.programs()
-    assert not prog.externs and [n.attrs.get("fn") for n in prog.graph.nodes].count("gelu_erf") == 1
+    assert not prog.externs and str(prog.graph).count("gelu_erf(") == 1
     gelu = torch.nn.functional.gelu
     strided = braze.compile(lambda x: gelu(x[:, ::2]) * 2, mode="fast")
     with torch.no_grad():

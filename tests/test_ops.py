@@ -332,6 +332,69 @@ def test_sleef_activations_take_atens_loop_across_threads_and_lengths(op, n, thr
     check_model(op, (special(7, 33).t(),), externs=1)  # strided: ATen's loop differs; its call
 
 
+GELU_LENGTHS = (2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 257, 32768, 32769, 100003)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_gelu_is_onednns_polynomial_fused_in_braze_loops(n, threads):
+    # ATen's gelu of a contiguous tensor of 2+ elements is oneDNN's per-lane polynomial: any
+    # length and split gives its bits, so it is an elementwise op, fused with its neighbours.
+    threads(n)
+    for length in GELU_LENGTHS:
+        check_model(F.gelu, (special(length) * 4,), kernels=1, externs=0)
+    x = special(7, 33)
+    bits = torch.arange(0, 0x7F800000, 0x10001, dtype=torch.int32).view(torch.float32)  # every binade
+    for t in (bits, -bits, torch.tensor([1e-45, -1e-45, 5.546, -5.546, 3e38, -3e38])):
+        check_model(F.gelu, (t,), kernels=1, externs=0)
+    check_model(lambda t: F.gelu(t * 2 + 1) - t, (x,), kernels=1, externs=0)  # one loop
+    check_model(torch.nn.GELU(), (x,), kernels=1, externs=0)
+    check_model(lambda t: F.gelu(t, approximate="none"), (x,), kernels=1, externs=0)
+    check_model(F.gelu, (special(0, 7),), externs=0)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.Linear(65, 33))
+    compiled = check_model(mlp, (special(5, 33),), externs=0)
+    assert compiled.programs()[0].kernel_count == 2  # bias, GEMM and GELU; bias and GEMM
+
+
+def test_gelu_inputs_aten_takes_its_own_kernel_for_stay_aten_calls():
+    # One element or a strided input: ATen's own kernel (an erf of Sleef's exp), not oneDNN's.
+    for x in (special(1), special(1, 1), special(7, 33).t(), special(7, 66)[:, ::2]):
+        compiled = check_model(F.gelu, (x,), externs=1)
+        assert "gelu" in compiled.programs()[0].externs[0][1]
+
+
+def test_gelu_follows_the_mkldnn_flag_between_calls():
+    # Disabled, eager's gelu takes ATen's own kernel: braze recompiles (saying why) and calls it.
+    compiled = braze.compile(lambda t: F.gelu(t) * 2)
+    x = special(7, 33)
+    check_model(lambda t: F.gelu(t) * 2, (x,), compiled=compiled, kernels=1, externs=0)
+    with torch.backends.mkldnn.flags(enabled=False):
+        check_model(lambda t: F.gelu(t) * 2, (x,), compiled=compiled, externs=1)
+        assert "mkldnn" in compiled.programs()[-1].externs[0][1]
+    check_model(lambda t: F.gelu(t) * 2, (x,), compiled=compiled)
+    assert len(compiled.programs()) == 2  # enabled again: the first program
+    assert "torch.backends.mkldnn.enabled: True -> False" in [c.why for c in compiled.compilations]
+
+
+def test_gelu_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):
+    from braze import onednn
+
+    monkeypatch.setattr(onednn, "_same", lambda threads: False)
+    compiled = check_model(F.gelu, (special(7, 33),), externs=1)
+    assert "probe" in compiled.programs()[0].externs[0][1]
+
+
+def test_the_gelu_probe_sees_one_coefficient_off(monkeypatch):
+    from braze import onednn
+    from braze.codegen import loops
+
+    table = [list(row) for row in loops.GELU_ERF_TABLE]
+    table[5][12] = float(torch.tensor(table[5][12]).nextafter(torch.tensor(1.0)))  # one float32 ulp
+    monkeypatch.setattr(loops, "GELU_ERF_TABLE", table)
+    monkeypatch.setattr(onednn, "KERNEL", "braze_gelu_erf_perturbed")
+    assert not onednn._same.__wrapped__(torch.get_num_threads())
+
+
 def test_gated_mlp_of_llama_is_native():
     torch.manual_seed(0)
     gate, up, down = (torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 32))

@@ -29,7 +29,7 @@ ACTS = {
     "rsqrt": lambda t: torch.rsqrt(t * t + 0.5),
     "exp": lambda t: torch.exp(t * 0.1),
     "erf": torch.erf,
-    "gelu": F.gelu,  # an ATen call inside the program
+    "gelu": F.gelu,  # oneDNN's polynomials, as ATen calls them (onednn.py)
     "tanh": torch.tanh,  # MKL's vmsTanh, as ATen calls it
     "softmax": lambda t: torch.softmax(t * 3, -1),  # braze's row kernels
     "log_softmax": lambda t: F.log_softmax(t, -1),
@@ -120,9 +120,9 @@ def test_random_mlps_stay_exact_as_the_batch_changes(case, batches):
     assert len(compiled.compilations) <= len(set(batches)) + 1
 
 
-# Half of fast mode's draws are its own kernels (GELU; GEMMs this small stay MKL's), the rest
-# what surrounds them in models.
-FAST_ACTS = ("gelu",) * 4 + ("relu", "layer_norm", "softmax", "tanh")
+# What models put between fast mode's GEMMs (its packed ones, with post-ops, from 2**28
+# multiply-adds: not at these sizes).
+FAST_ACTS = ("gelu", "relu", "layer_norm", "softmax", "tanh")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

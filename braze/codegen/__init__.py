@@ -49,9 +49,11 @@ from .loops import (
     declared,
     fma,
     gather,
+    gelu_erf,
     lanes_below,
     masked_load,
     masked_store,
+    pick,
     smaller,
     splat,
     split_between_threads,
@@ -66,6 +68,7 @@ __all__ = [
     "LANES16",
     "PTR",
     "VOID",
+    "WIDTH",
     "Access",
     "ModuleBuilder",
     "Segment",
@@ -74,9 +77,11 @@ __all__ = [
     "declared",
     "fma",
     "gather",
+    "gelu_erf",
     "lanes_below",
     "masked_load",
     "masked_store",
+    "pick",
     "smaller",
     "splat",
     "split_between_threads",
@@ -349,12 +354,10 @@ class ModuleBuilder:
             kb.call(vml, [kb.trunc(kb.sub(hi, lo), I32), *start, I64(jit.VML_MODE)])
 
     def _activation(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """sleef.py's kernel (fast mode: fastmath.py's) over the elements, split between threads
-        as ATen splits them."""
-        from .. import fastmath, sleef  # built on this module's helpers
+        """sleef.py's kernel over the elements, split between threads as ATen splits them."""
+        from .. import sleef  # built on this module's helpers
 
-        library = fastmath if k.attrs["fn"] in fastmath.FUNCTIONS else sleef
-        fn = self.kernel(library, library.name(k.attrs["fn"]), [PTR, PTR, I64])
+        fn = self.kernel(sleef, sleef.name(k.attrs["fn"]), [PTR, PTR, I64])
         ptrs = [self.pointer(b, table, self.slot_of(name)) for name in (k.inputs[0], k.name)]
         b.call(fn, [*ptrs, self.dim(b, table, k.meta.numel)])
 

@@ -5,6 +5,7 @@ entry.py)."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -256,6 +257,8 @@ def _scalar_op(
         return b.fneg(x[0])
     if op is Op.ABS:  # clears the sign bit, as ATen's abs does
         return _intrinsic(b, "fabs", x[0])
+    if op is Op.GELU_ERF:
+        return gelu_erf(b, x[0])
     if op is Op.RSQRT:  # ATen's rsqrt: an IEEE square root, then an IEEE division (no fast-math)
         return b.fdiv(const(1.0), _intrinsic(b, "sqrt", x[0]))
     if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0
@@ -342,6 +345,84 @@ _ARITH = {
     Op.MUL: lambda b, x, y: b.fmul(x, y),
     Op.DIV: lambda b, x, y: b.fdiv(x, y),
 }
+
+
+def pick(b: ll.IRBuilder, table: list[float], index: ll.Value) -> ll.Value:
+    """table[index] per lane: a 32-entry float table, a vector of i32 indices in [0, 32) (or one
+    i32), through one AVX-512 two-register permute (narrower values widened to 16 lanes)."""
+    v16i = ll.VectorType(I32, 16)
+    permute = declared(b.module, "llvm.x86.avx512.vpermi2var.ps.512", LANES16, [LANES16, v16i, LANES16])
+    width = index.type.count if isinstance(index.type, ll.VectorType) else 1
+    wide = index
+    if width == 1:
+        wide = splat(b, index, 16)
+    elif width < 16:
+        wide = b.shuffle_vector(index, index, ll.Constant(v16i, [i % width for i in range(16)]))
+    picked = b.call(permute, [ll.Constant(LANES16, table[:16]), wide, ll.Constant(LANES16, table[16:])])
+    if width == 16:
+        return picked
+    if width == 1:
+        return b.extract_element(picked, I32(0))
+    return b.shuffle_vector(picked, picked, ll.Constant(ll.VectorType(I32, width), list(range(width))))
+
+
+def _bits(words: str) -> list[float]:
+    """float32 values from their bits (hex words), padded with zeros to 32 entries."""
+    values = [struct.unpack("<f", struct.pack("<I", int(w, 16)))[0] for w in words.split()]
+    return values + [0.0] * (32 - len(values))
+
+
+# oneDNN's table for gelu's erf form (jit_uni_eltwise_injector.cpp, gelu_erf_minimax_pol): the
+# coefficient of each degree (0 to 5) of 25 polynomials in |x|, as float32 bits. Entry 23 is the
+# constant 1 (erf beyond its bound), entry 24 is |x| itself (where NaN lands).
+GELU_ERF_TABLE = [
+    _bits(words)
+    for words in (
+        "a6f2cb94 32827792 3381cc0c 34523d4a 351ac44d 35f36d88 36ee8229 37b8a3bb 3867a213 3940033b 3a2a5a1d 3ae35863 "
+        "3b7828f2 3c08b14b 3c515ed3 bb503236 bd8d8e5e be8abcd9 bf0c19a2 beccb328 3e176ced 3f470d99 3f7abb28 3f800000 0",
+        "3f4c422a 3f4c421f 3f4c4207 3f4c41cb 3f4c413b 3f4c3fad 3f4c3a2f 3f4c2d40 3f4c146a 3f4bc341 3f4ad08c 3f48f8cf "
+        "3f45fac7 3f404e07 3f3b980f 3f48dff3 3f78b21b 3fbb0704 40019c32 3fe536d6 3f81331e 3e6c8684 3c98f936 0 3f800000",
+        "b62173f4 3735e4cf 37f2ff89 388c23be 3917535c 39ab2ab0 3a60fadb 3af9b960 3b6e5491 3c0a4ec5 3ca5aa8c 3d2138d9 "
+        "3d8737d4 3ddfb660 3e0f27ab 3d94004b be0efdeb bf1d96c3 bf89db58 bf6d9897 bef69fb8 bdc4f8a8 bbde6422 0 0",
+        "be081a19 be084570 be08639b be089837 be08f409 be09ab95 be0b66d0 be0e400a be124df8 be1bde02 be2f19c9 be4931bf "
+        "be685fbc be89c95f be96cbca be8044aa be0550f2 3dcfd6a1 3e94c826 3e79345f 3decec91 3ca46568 3aa1e00a 0 0",
+        "ba3d61db 39f097a3 3a5845dc 3ab1fa35 3b0cefb8 3b653ab6 3bcae527 3c221712 3c6c5840 3cc0a703 3d1dcc19 3d63656d "
+        "3d955907 3dbf9910 3dd53f69 3db7dcef 3d639ebe ba6ede48 bd22be69 bd041cf1 bc64f5ab bb097a32 b8ebf380 0 0",
+        "3cb7d80c 3c9b6050 3c978d11 3c92e850 3c8d058b 3c848454 3c6cd623 3c4c824b 3c2a7935 3be0b390 3b0651ac bb232f53 "
+        "bbd42fa0 bc2c5366 bc492c9e bc2a7aa6 bbd55d04 ba823a76 3b102aa8 3ae25a7e 3a31f792 38b84375 3689bb5a 0 0",
+    )
+]
+GELU_ERF_BOUND = 0x40B15CEE  # the bits of the |x| beyond which erf(x / sqrt 2) is 1 (entry 23)
+
+
+def gelu_erf(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
+    """gelu(x) = x (1 + erf(x / sqrt 2)) / 2 (one float or a vector) as oneDNN's avx512_core
+    eltwise kernel computes it, the kernel ATen's gelu calls for a contiguous float32 tensor of
+    2 or more elements: the polynomial for |x| is picked by |x|'s bits (plus 0xc21fffff, shifted
+    right by 21 with the sign: two bits of mantissa per binade, denormals to entry 1), clamped to
+    [1, 24], entry 23 beyond the bound; Horner in FMAs on |x|; x's sign on the result p; then
+    (x * (1 + p)) * 0.5. Every step is an IEEE operation on one lane: a lane's bits depend on no
+    other, so loops may compute it at any width and fuse it anywhere."""
+    width = x.type.count if isinstance(x.type, ll.VectorType) else 1
+    ity = ll.VectorType(I32, width) if width > 1 else I32
+
+    def const(ty: ll.Type, v: float) -> ll.Constant:
+        return ll.Constant(ty, [v] * width) if width > 1 else ll.Constant(ty, v)
+
+    i32 = lambda v: const(ity, v)  # noqa: E731
+    bits = b.bitcast(x, ity)
+    abits = b.and_(bits, i32(0x7FFFFFFF))
+    a = b.bitcast(abits, x.type)
+    index = b.ashr(b.add(abits, i32(0xC21FFFFF - 2**32)), i32(21))
+    index = b.select(b.icmp_signed("<", index, i32(1)), i32(1), index)
+    index = b.select(b.icmp_signed(">", index, i32(24)), i32(24), index)
+    bound = b.bitcast(i32(GELU_ERF_BOUND), x.type)
+    index = b.select(b.fcmp_ordered("<", bound, a), i32(23), index)
+    p = pick(b, GELU_ERF_TABLE[5], index)
+    for degree in range(4, -1, -1):
+        p = fma(b, p, a, pick(b, GELU_ERF_TABLE[degree], index))
+    p = b.bitcast(b.xor(b.bitcast(p, ity), b.and_(bits, i32(-(2**31)))), x.type)
+    return b.fmul(b.fmul(x, b.fadd(p, const(x.type, 1.0))), const(x.type, 0.5))
 
 
 def gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mask: ll.Value) -> ll.Value:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import fast, jit, sleef
+from .. import fast, jit, onednn, sleef
 from ..ir import Op
 from . import conv
 from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
@@ -205,7 +205,7 @@ def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
 
 
 def _contiguous_float32(name: str, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """The input of a library kernel over contiguous float32 elements (sleef.py, fastmath.py)."""
+    """The input of an op ATen computes one way only for contiguous float32 elements (sleef.py, onednn.py)."""
     no_out(kwargs)
     x = args[0] if args else kwargs.get("input")
     if not (is_float32(x) and x.meta.is_contiguous()):
@@ -231,17 +231,20 @@ def _sleef(name: str) -> Callable[..., Sym]:
 
 
 def _gelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """gelu with approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The exact
-    form runs oneDNN's JIT polynomial in ATen (a table of 25), which braze does not reproduce:
-    exact mode calls ATen; fast mode runs fastmath.py's own polynomials."""
+    """gelu. approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The erf form of
+    a contiguous input of 2 or more elements: oneDNN's polynomials, as ATen calls them
+    (onednn.py), an elementwise op fused with its neighbours (in fast mode too)."""
     approximate = fn.approximate if isinstance(fn, torch.nn.GELU) else kwargs.get("approximate", "none")
     kwargs = {k: v for k, v in kwargs.items() if k != "approximate"}
     if approximate == "tanh":
         return _sleef("gelu_tanh")(lw, fn, args, kwargs, out)
-    if not lw.fast:
-        raise NotNative("gelu without approximate='tanh' runs oneDNN's polynomial in ATen: not reproduced")
     x = _contiguous_float32("gelu", args, kwargs, out)
-    return lw.emit(Op.ACTIVATION, (x.name,), out, fn="gelu_erf")
+    if x.meta.numel() == 1:
+        raise NotNative("gelu of one element runs ATen's own kernel (an erf of Sleef's exp): not reproduced")
+    why = onednn.why_not_gelu()
+    if why:
+        raise NotNative(why)
+    return lw.elementwise(Op.GELU_ERF, (x,), out)
 
 
 def _vml(name: str) -> Callable[..., Sym]:
