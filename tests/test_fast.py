@@ -499,7 +499,7 @@ def test_outputs_are_laid_out_as_eagers(dynamo, channels_last):
 @pytest.mark.parametrize("size", [1, 7, 15, 16, 17, 33, 257, 32769])
 def test_gelu_is_native_in_fast_mode(size):
     """After a linear, in fast mode: eager's own arithmetic (onednn.py, no ATen call), any length,
-    within the contract; a strided input stays ATen's, said why."""
+    within the contract; a strided input too (eager takes ATen's other kernel there)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, size), nn.GELU(), nn.Linear(size, 3)).eval()
     compiled = braze.compile(model, mode="fast")
@@ -513,9 +513,7 @@ def test_gelu_is_native_in_fast_mode(size):
     with torch.no_grad():
         y = torch.randn(3, 2 * size)
         assert measure(strided(y), gelu(y[:, ::2]) * 2, gelu(y[:, ::2].double()) * 2).ok
-    assert [why for p in strided.programs() for _, why in p.externs] == [
-        "gelu of a tensor that is not contiguous float32 (ATen loops over it otherwise)"
-    ]
+    assert not strided.programs()[0].externs  # ATen's own kernel in eager: within the contract
 
 
 _FLOAT_INPUTS = ("lesson", "mlp-wide", "cnn-small", "transformer-layer")

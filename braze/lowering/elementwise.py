@@ -233,11 +233,16 @@ def _sleef(name: str) -> Callable[..., Sym]:
 def _gelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     """gelu. approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The erf form of
     a contiguous input of 2 or more elements: oneDNN's polynomials, as ATen calls them
-    (onednn.py), an elementwise op fused with its neighbours (in fast mode too)."""
+    (onednn.py), an elementwise op fused with its neighbours; in fast mode of any input (within
+    the accuracy contract where eager takes ATen's own kernel: a strided input, one element)."""
     approximate = fn.approximate if isinstance(fn, torch.nn.GELU) else kwargs.get("approximate", "none")
     kwargs = {k: v for k, v in kwargs.items() if k != "approximate"}
     if approximate == "tanh":
         return _sleef("gelu_tanh")(lw, fn, args, kwargs, out)
+    x = args[0] if args else kwargs.get("input")
+    if lw.fast and is_float32(x) and not sleef.other_capability():
+        no_out(kwargs)  # fast mode: oneDNN's arithmetic on any layout (eager's own elsewhere)
+        return lw.elementwise(Op.GELU_ERF, (x,), out)
     x = _contiguous_float32("gelu", args, kwargs, out)
     if x.meta.numel() == 1:
         raise NotNative("gelu of one element runs ATen's own kernel (an erf of Sleef's exp): not reproduced")
