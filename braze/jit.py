@@ -124,7 +124,7 @@ def _bind_symbols() -> None:
     ):
         llvm.add_symbol(name, _address(cpu, name))
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
-    for name in ("expf", "tanhf"):  # ATen's scalar tails call them
+    for name in ("expf", "tanhf", "erff"):  # ATen's scalar tails call them
         llvm.add_symbol(name, _address(libm, name))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads"):

@@ -329,7 +329,10 @@ def test_sleef_activations_take_atens_loop_across_threads_and_lengths(op, n, thr
     threads(n)
     for length in (31, 32, 33, 65, 16384, 16385, 20001, 32767, 32768, 32769, 65536 + 33, 100003):
         check_model(op, (special(length) * 20,), kernels=1, externs=0)
-    check_model(op, (special(7, 33).t(),), externs=1)  # strided: ATen's loop differs; its call
+    # Transposed or channels-last: ATen walks the memory as one run, as braze's kernel does.
+    check_model(op, (special(7, 33).t(),), kernels=1, externs=0)
+    check_model(op, (special(2, 5, 7, 3).to(memory_format=torch.channels_last),), kernels=1, externs=0)
+    check_model(op, (special(7, 66)[:, ::2],), externs=1)  # strided: ATen's loop differs; its call
 
 
 GELU_LENGTHS = (2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 257, 32768, 32769, 100003)
@@ -356,11 +359,17 @@ def test_gelu_is_onednns_polynomial_fused_in_braze_loops(n, threads):
     assert compiled.programs()[0].kernel_count == 2  # bias, GEMM and GELU; bias and GEMM
 
 
-def test_gelu_inputs_aten_takes_its_own_kernel_for_stay_aten_calls():
-    # One element or a strided input: ATen's own kernel (an erf of Sleef's exp), not oneDNN's.
-    for x in (special(1), special(1, 1), special(7, 33).t(), special(7, 66)[:, ::2]):
-        compiled = check_model(F.gelu, (x,), externs=1)
-        assert "gelu" in compiled.programs()[0].externs[0][1]
+@pytest.mark.parametrize("n", [1, 2])
+def test_gelu_where_aten_takes_its_own_kernel(n, threads):
+    # One element, or a transposed or channels-last input: ATen's own kernel (an erf of Sleef's
+    # exp in its vector body, glibc's erff in the tails), reproduced by sleef.py with its loop.
+    threads(n)
+    for length in (1, 31, 33, 16385, 32769, 65536 + 33):
+        check_model(F.gelu, (special(2, length).t() * 4,), kernels=1, externs=0)
+    for x in (special(1), special(1, 1), special(2, 5, 7, 3).to(memory_format=torch.channels_last)):
+        check_model(F.gelu, (x,), kernels=1, externs=0)
+    compiled = check_model(F.gelu, (special(7, 66)[:, ::2],), externs=1)  # truly strided: ATen's
+    assert "gelu" in compiled.programs()[0].externs[0][1]
 
 
 def test_gelu_follows_the_mkldnn_flag_between_calls():

@@ -204,24 +204,40 @@ def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return lw.elementwise(Op.RSQRT, (args[0],), out)
 
 
-def _contiguous_float32(name: str, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """The input of an op ATen computes one way only for contiguous float32 elements (sleef.py, onednn.py)."""
+def _one_run(t: torch.Tensor) -> bool:
+    """Whether t's elements fill one run of memory, in some order of its dimensions: contiguous,
+    or a permutation of that (transposed, channels-last). ATen's loops walk such a tensor (and a
+    result laid out alike) as one contiguous run."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _one_run_float32(name: str, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """The input of an op whose bits depend on the position in ATen's loop (sleef.py), or on
+    which kernel ATen picks by layout (onednn.py): float32 in one run of memory (_one_run), its
+    result laid out alike."""
     no_out(kwargs)
     x = args[0] if args else kwargs.get("input")
-    if not (is_float32(x) and x.meta.is_contiguous()):
-        raise NotNative(f"{name} of a tensor that is not contiguous float32 (ATen loops over it otherwise)")
+    if not (is_float32(x) and _one_run(x.meta)):
+        raise NotNative(f"{name} of a tensor that is not float32 in one run of memory (ATen loops over it otherwise)")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
         raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
+    if any(a != b for a, b, n in zip(out.stride(), x.meta.stride(), out.shape) if n != 1):
+        raise NotNative(f"{name} with a result laid out unlike its input")
     return x
 
 
 def _sleef(name: str) -> Callable[..., Sym]:
-    """sigmoid, silu, gelu_tanh: sleef.py's kernels, which take ATen's loop (Sleef in the vector body,
-    glibc in the scalar tails, the threads' chunks), on a contiguous input, where a probe shows
-    they give ATen's bits."""
+    """sigmoid, silu, gelu_tanh, gelu (erf form, ATen's own kernel): sleef.py's kernels, which
+    take ATen's loop (Sleef in the vector body, glibc in the scalar tails, the threads' chunks),
+    on an input in one run of memory, where a probe shows they give ATen's bits."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-        x = _contiguous_float32(name, args, kwargs, out)
+        x = _one_run_float32(name, args, kwargs, out)
         why = sleef.why_not(name)
         if why:
             raise NotNative(why)
@@ -231,21 +247,22 @@ def _sleef(name: str) -> Callable[..., Sym]:
 
 
 def _gelu(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """gelu. approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The erf form of
-    a contiguous input of 2 or more elements: oneDNN's polynomials, as ATen calls them
-    (onednn.py), an elementwise op fused with its neighbours; in fast mode of any input (within
-    the accuracy contract where eager takes ATen's own kernel: a strided input, one element)."""
+    """gelu. approximate="tanh": sleef.py's kernel (Sleef's tanh in ATen's loop). The erf form
+    takes the kernel ATen picks: for a contiguous input of 2 or more elements oneDNN's polynomials
+    (onednn.py), an elementwise op fused with its neighbours; for one element or another layout
+    in one run of memory (channels-last), ATen's own (sleef.py). Fast mode takes oneDNN's on any
+    layout (within the accuracy contract)."""
     approximate = fn.approximate if isinstance(fn, torch.nn.GELU) else kwargs.get("approximate", "none")
     kwargs = {k: v for k, v in kwargs.items() if k != "approximate"}
     if approximate == "tanh":
         return _sleef("gelu_tanh")(lw, fn, args, kwargs, out)
     x = args[0] if args else kwargs.get("input")
     if lw.fast and is_float32(x) and not sleef.other_capability():
-        no_out(kwargs)  # fast mode: oneDNN's arithmetic on any layout (eager's own elsewhere)
+        no_out(kwargs)
         return lw.elementwise(Op.GELU_ERF, (x,), out)
-    x = _contiguous_float32("gelu", args, kwargs, out)
-    if x.meta.numel() == 1:
-        raise NotNative("gelu of one element runs ATen's own kernel (an erf of Sleef's exp): not reproduced")
+    x = _one_run_float32("gelu", args, kwargs, out)
+    if not x.meta.is_contiguous() or x.meta.numel() == 1:
+        return _sleef("gelu_erf")(lw, fn, args, kwargs, out)
     why = onednn.why_not_gelu()
     if why:
         raise NotNative(why)
