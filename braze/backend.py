@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -212,7 +213,8 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             wrapper._subgraphs.append(sub)
             return sub
 
-        compiled = torch.compile(_own_frame(wrapper.fn), backend=backend, dynamic=wrapper.dynamic)
+        own = _own_frame(wrapper.fn)
+        compiled = torch.compile(own, backend=backend, dynamic=wrapper.dynamic)
     except Exception as e:  # dynamo unavailable on this platform/Python
         wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
         return None
@@ -223,6 +225,9 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
         if wrapper.dynamic is None and not wrapper._subgraphs:  # until TorchDynamo's first trace
             _maybe_dynamic(args, kwargs)
         try:
+            code = _guarded_code(own, args, kwargs)
+            if code is not None:
+                return code(*args, **kwargs)
             return compiled(*args, **kwargs)
         except Exception:
             # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
@@ -233,6 +238,27 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             return out
 
     return call
+
+
+def _guarded_code(own: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any] | None:
+    """The code TorchDynamo compiled for this call of `own`, as a function: its first cache entry
+    whose guards pass (TorchDynamo's own C++ guards, given the frame's locals), as its frame
+    evaluation would pick it; None where none passes (TorchDynamo then compiles anew), where the
+    code continues in frames TorchDynamo compiles (a graph break's resume functions), or while
+    TorchDynamo traces. Calling it directly skips TorchDynamo's per-call frame handling around
+    the guards (`bert-tiny`: about 0.16 ms of 1.5)."""
+    if torch.compiler.is_compiling():
+        return None
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    cells = (c.cell_contents for c in own.__closure__)
+    frame = {"args": args, "kwargs": kwargs, **dict(zip(own.__code__.co_freevars, cells))}
+    for entry in _debug_get_cache_entry_list(own.__code__):
+        if entry.guard_manager.check(frame):
+            if any(name.startswith("__resume_at") for name in entry.code.co_names):
+                return None
+            return types.FunctionType(entry.code, own.__globals__, own.__name__, None, own.__closure__)
+    return None
 
 
 def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -49,8 +49,9 @@ class Op(enum.Enum):
     BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
     CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
     VML = "vml"  # MKL's vector math function attrs['fn'] (vmsExp...) on the input, as ATen calls it
-    # ATen's Sleef-based activation attrs['fn'] (sigmoid, silu, gelu_tanh) of a contiguous input, with
-    # ATen's loop: its threads' chunks, 32-element vector steps and scalar tails (sleef.py).
+    # ATen's Sleef-based activation attrs['fn'] (sigmoid, silu, gelu_tanh, ATen's own gelu_erf) of an
+    # input in one run of memory, with ATen's loop: its threads' chunks, 32-element vector steps and
+    # scalar tails (sleef.py).
     ACTIVATION = "activation"
     # Each row of inputs[0] (contiguous) normalised over its attrs['n'] elements, times inputs[1]
     # plus inputs[2], with ATen's arithmetic (rows.py); attrs: n, rows, eps.

@@ -5,7 +5,7 @@ oneDNN's eltwise kernel while torch.backends.mkldnn is enabled; on an avx512_cor
 kernel evaluates one of 25 degree-5 polynomials picked by the input's bits (codegen's
 `gelu_erf`). Its bits depend on no neighbour, position or thread, so braze computes it in its
 elementwise loops (Op.GELU_ERF), fused with what comes before and after, where a probe shows it
-gives ATen's bits here. Other inputs take ATen's own kernel (an erf of Sleef's exp): ATen calls.
+gives ATen's bits here. Other inputs take ATen's own kernel (an erf of Sleef's exp): sleef.py's.
 """
 
 from __future__ import annotations

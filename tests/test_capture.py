@@ -4,6 +4,8 @@ TorchDynamo would rewrite into other arithmetic (issue 15)."""
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 import warnings
 
 import pytest
@@ -163,6 +165,57 @@ def test_keyword_calls_of_a_kwargs_forward_are_compiled_by_dynamo():
         ):
             assert_same(compiled(**kwargs), model(**kwargs))
     assert compiled.programs(), "TorchDynamo's graphs are compiled by braze"
+
+
+class ScaledKwargs(torch.nn.Module):
+    """A **kwargs forward (TorchDynamo captures it) reading a Python attribute and a config dict,
+    as Hugging Face's models read their config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.scale, self.config = 2.0, {"act": "relu"}
+
+    def forward(self, x, **kwargs):
+        y = self.fc(x) * self.scale
+        return torch.relu(y) if self.config["act"] == "relu" else torch.tanh(y)
+
+
+def _dynamo_frames(fn, *args) -> int:
+    """How many times a call enters TorchDynamo's frame handling (torch.compile's wrapper)."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        count += event == "call" and frame.f_code.co_name == "compile_wrapper"
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_calls_through_dynamo_run_its_code_where_its_guards_pass():
+    # braze evaluates TorchDynamo's own guards and calls the code it compiled, without its frame
+    # handling; whatever the guards protect still makes TorchDynamo compile anew.
+    model = ScaledKwargs().eval()
+    compiled = braze.compile(model)
+    x, y = torch.randn(3, 8), torch.randn(5, 8)
+    call = functools.partial(compiled, flag=True)  # a keyword **kwargs takes: TorchDynamo binds it
+    with torch.no_grad():
+        for _ in range(2):
+            assert_same(call(x), model(x))
+        assert compiled._subgraphs and _dynamo_frames(call, x) == 0
+        model.scale = 3.0  # a Python attribute the graph baked in
+        assert_same(call(x), model(x))
+        model.config["act"] = "tanh"  # a config value a branch read
+        assert_same(call(x), model(x))
+        assert_same(call(y), model(y))  # another size
+        assert _dynamo_frames(call, x) == 0
+        assert len(compiled._subgraphs) >= 3
+    assert_same(call(x), model(x))  # grad mode on: the parameters need gradients
 
 
 class BranchyLinear(torch.nn.Module):

@@ -372,9 +372,10 @@ def _bits(words: str) -> list[float]:
     return values + [0.0] * (32 - len(values))
 
 
-# oneDNN's table for gelu's erf form (jit_uni_eltwise_injector.cpp, gelu_erf_minimax_pol): the
-# coefficient of each degree (0 to 5) of 25 polynomials in |x|, as float32 bits. Entry 23 is the
-# constant 1 (erf beyond its bound), entry 24 is |x| itself (where NaN lands).
+# oneDNN's table for gelu's erf form (jit_uni_eltwise_injector.cpp, gelu_erf_minimax_pol; oneDNN is
+# under the Apache License 2.0): the coefficient of each degree (0 to 5) of 25 polynomials in |x|,
+# as float32 bits. Entry 23 is the constant 1 (erf beyond its bound), entry 24 is |x| itself (where
+# NaN lands).
 GELU_ERF_TABLE = [
     _bits(words)
     for words in (
