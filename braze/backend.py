@@ -254,7 +254,11 @@ def _guarded_code(own: Callable[..., Any], args: tuple, kwargs: dict) -> Callabl
     cells = (c.cell_contents for c in own.__closure__)
     frame = {"args": args, "kwargs": kwargs, **dict(zip(own.__code__.co_freevars, cells))}
     for entry in _debug_get_cache_entry_list(own.__code__):
-        if entry.guard_manager.check(frame):
+        try:
+            passed = entry.guard_manager.check(frame)
+        except Exception:  # a guard that cannot be evaluated (an attribute gone): TorchDynamo decides
+            return None
+        if passed:
             if any(name.startswith("__resume_at") for name in entry.code.co_names):
                 return None
             return types.FunctionType(entry.code, own.__globals__, own.__name__, None, own.__closure__)
