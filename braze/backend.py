@@ -244,12 +244,16 @@ def _guarded_code(own: Callable[..., Any], args: tuple, kwargs: dict) -> Callabl
     """The code TorchDynamo compiled for this call of `own`, as a function: its first cache entry
     whose guards pass (TorchDynamo's own C++ guards, given the frame's locals), as its frame
     evaluation would pick it; None where none passes (TorchDynamo then compiles anew), where the
-    code continues in frames TorchDynamo compiles (a graph break's resume functions), or while
-    TorchDynamo traces. Calling it directly skips TorchDynamo's per-call frame handling around
-    the guards (`bert-tiny`: about 0.1 ms of 1.6)."""
-    if torch.compiler.is_compiling():
-        return None
+    code continues in frames TorchDynamo compiles (a graph break's resume functions), while
+    TorchDynamo traces, or where the user set it aside (a stance other than the default,
+    `torch._dynamo.config.disable`). Calling it directly skips TorchDynamo's per-call frame
+    handling around the guards (`bert-tiny`: about 0.1 ms of 1.6)."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo import eval_frame
+
+    if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
+        return None
 
     cells = (c.cell_contents for c in own.__closure__)
     frame = {"args": args, "kwargs": kwargs, **dict(zip(own.__code__.co_freevars, cells))}

@@ -215,6 +215,9 @@ def test_calls_through_dynamo_run_its_code_where_its_guards_pass():
         assert_same(call(y), model(y))  # another size
         assert _dynamo_frames(call, x) == 0
         assert len(compiled._subgraphs) >= 3
+        with torch.compiler.set_stance("force_eager"):  # the user's stance is TorchDynamo's to apply
+            assert _dynamo_frames(call, x) == 1
+            assert_same(call(x), model(x))
     assert_same(call(x), model(x))  # grad mode on: the parameters need gradients
 
 
