@@ -413,9 +413,7 @@ class _Runtime:
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
         dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)
         require(b.icmp_signed("==", dtype, f("default_dtype")))
-        self._check_matmul_precision(b, d, require)
-        self._check_mkl_threads(b, d, require)
-        self._check_mkldnn(b, d, require)
+        self._check_settings(b, d, require)
         self._python_body(b, d, args, nargs)
         b.ret(b.call(run, [d, table]))
         b.position_at_end(miss)
@@ -521,29 +519,23 @@ class _Runtime:
                 b.store(value, found)
         require(b.icmp_unsigned("==", b.load(found, typ=PTR), m("expected", PTR)))
 
-    def _check_matmul_precision(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
-        """ATen's float32 matmul precision is the one the program's GEMMs were compiled for."""
-        want = self.field(b, d, "matmul_precision")
-        with b.if_then(b.icmp_signed(">=", want, I64(0))):
-            context = b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])
-            have = b.call(self.mb.declare(FP32_PRECISION, I32, [PTR, I32, I32]), [context, I32(MKLDNN), I32(MATMUL)])
-            require(b.icmp_signed("==", b.sext(have, I64), want))
-
-    def _check_mkl_threads(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
-        """MKL runs on as many threads as when the program's one-thread GEMMs were probed: on
-        another count, eager's GEMMs may give other bits."""
-        want = self.field(b, d, "mkl_threads")
-        with b.if_then(b.icmp_signed(">=", want, I64(0))):
-            have = b.call(self.mb.declare(MKL_THREADS, I32, []), [])
-            require(b.icmp_signed("==", b.sext(have, I64), want))
-
-    def _check_mkldnn(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
-        """torch.backends.mkldnn is enabled where the program computes what ATen computes
-        through oneDNN only then (disabled, eager's gelu runs another kernel)."""
-        with b.if_then(b.icmp_signed(">=", self.field(b, d, "mkldnn"), I64(0))):
-            context = b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])
-            enabled = b.call(self.mb.declare(MKLDNN_ENABLED, I8, [PTR]), [context])
-            require(b.icmp_unsigned("!=", enabled, I8(0)))
+    def _check_settings(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
+        """The process's settings the program's bits depend on are as compiled (a field of -1:
+        the program depends on no such setting): ATen's float32 matmul precision its GEMMs were
+        compiled for; MKL's thread count its one-thread GEMMs were probed at (on another count,
+        eager's GEMMs may give other bits); torch.backends.mkldnn enabled (1), where its GELU is
+        the oneDNN kernel's, which eager runs only then."""
+        context = lambda: b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])  # noqa: E731
+        precision = self.mb.declare(FP32_PRECISION, I32, [PTR, I32, I32])
+        reads = {
+            "matmul_precision": lambda: b.call(precision, [context(), I32(MKLDNN), I32(MATMUL)]),
+            "mkl_threads": lambda: b.call(self.mb.declare(MKL_THREADS, I32, []), []),
+            "mkldnn": lambda: b.call(self.mb.declare(MKLDNN_ENABLED, I8, [PTR]), [context()]),
+        }
+        for field, read in reads.items():
+            want = self.field(b, d, field)
+            with b.if_then(b.icmp_signed(">=", want, I64(0))):
+                require(b.icmp_signed("==", b.sext(read(), I64), want))
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or
