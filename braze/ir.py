@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from . import dims
+
 
 class Op(enum.Enum):
     INPUT = "input"  # a user argument, read from the call
@@ -128,6 +130,19 @@ class TensorMeta:
         return n
 
     @property
+    def dense(self) -> bool:
+        """The elements fill [offset, offset + numel) of memory exactly, in some order of the
+        dimensions (contiguous, transposed, channels-last): ATen's loops walk such a tensor as
+        one run of memory."""
+        expected = 1
+        pairs = [(st, n) for st, n in zip(self.stride, self.shape) if not isinstance(n, int) or n > 1]
+        for stride, size in sorted(pairs, key=lambda p: dims.typical(p[0])):
+            if stride != expected:
+                return False
+            expected *= size
+        return True
+
+    @property
     def span(self) -> int:
         """Elements of storage the view reaches, from offset 0 (what a buffer must hold)."""
         if self.numel == 0:
@@ -229,8 +244,8 @@ def _check(cond: bool, msg: str) -> None:
 def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """NumPy broadcasting (torch.broadcast_shapes would import sympy on first use)."""
     out: list[int] = []
-    for dims in zip(*(((1,) * (max(map(len, shapes)) - len(s)) + tuple(s)) for s in shapes)):
-        sizes = {d for d in dims if d != 1}
+    for column in zip(*(((1,) * (max(map(len, shapes)) - len(s)) + tuple(s)) for s in shapes)):
+        sizes = {d for d in column if d != 1}
         if len(sizes) > 1:
             raise RuntimeError(f"shapes {shapes} cannot be broadcast together")
         out.append(sizes.pop() if sizes else 1)

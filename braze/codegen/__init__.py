@@ -26,7 +26,7 @@ from typing import Any
 import llvmlite.ir as ll
 import torch
 
-from .. import dims, jit
+from .. import jit
 from ..dims import Dim, Expr
 from ..ir import Node, Op, TensorMeta
 from .loops import (
@@ -343,7 +343,7 @@ class ModuleBuilder:
         out, src = self.slot_of(k.name), self.slot_of(k.inputs[0])
         if k.meta.numel == 0:
             return
-        if src.meta.stride != out.meta.stride or not _dense(out.meta):
+        if src.meta.stride != out.meta.stride or not out.meta.dense:
             self._loop_kernel(b, table, out.meta, out, (Node(k.name, Op.COPY, (k.inputs[0],), out.meta),), {})
             src = out
         with self._ranged(b, table, "vml", k.meta.numel, k.meta.numel) as (kb, tbl, lo, hi):
@@ -599,17 +599,6 @@ def _broadcast_strides(meta: TensorMeta) -> list[Dim]:
     dimension or its size is 1."""
     pairs = [(0, 1)] * (4 - len(meta.shape)) + list(zip(meta.stride, meta.shape))
     return [0 if size == 1 else stride for stride, size in pairs]
-
-
-def _dense(meta: TensorMeta) -> bool:
-    """The elements fill [offset, offset + numel) of memory exactly, in some order of dimensions."""
-    expected = 1
-    pairs = [(st, sz) for st, sz in zip(meta.stride, meta.shape) if not isinstance(sz, int) or sz > 1]
-    for stride, size in sorted(pairs, key=lambda p: dims.typical(p[0])):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _opaque(b: ll.IRBuilder, ptr: ll.Value) -> ll.Value:

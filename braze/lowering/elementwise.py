@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .. import fast, jit, onednn, sleef
-from ..ir import Op
+from ..ir import Op, TensorMeta
 from . import conv
 from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
 
@@ -204,25 +204,13 @@ def _rsqrt(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return lw.elementwise(Op.RSQRT, (args[0],), out)
 
 
-def _one_run(t: torch.Tensor) -> bool:
-    """Whether t's elements fill one run of memory, in some order of its dimensions: contiguous,
-    or a permutation of that (transposed, channels-last). ATen's loops walk such a tensor (and a
-    result laid out alike) as one contiguous run."""
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _one_run_float32(name: str, args: tuple, kwargs: dict, out: Any) -> Sym:
     """The input of an op whose bits depend on the position in ATen's loop (sleef.py), or on
-    which kernel ATen picks by layout (onednn.py): float32 in one run of memory (_one_run), its
-    result laid out alike."""
+    which kernel ATen picks by layout (onednn.py): float32 in one run of memory (TensorMeta.dense),
+    its result laid out alike."""
     no_out(kwargs)
     x = args[0] if args else kwargs.get("input")
-    if not (is_float32(x) and _one_run(x.meta)):
+    if not (is_float32(x) and TensorMeta.of(x.meta).dense):
         raise NotNative(f"{name} of a tensor that is not float32 in one run of memory (ATen loops over it otherwise)")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
         raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
