@@ -215,6 +215,7 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
 
         own = _own_frame(wrapper.fn)
         compiled = torch.compile(own, backend=backend, dynamic=wrapper.dynamic)
+        guarded = _guarded_code(own)
     except Exception as e:  # dynamo unavailable on this platform/Python
         wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
         return None
@@ -225,7 +226,7 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
         if wrapper.dynamic is None and not wrapper._subgraphs:  # until TorchDynamo's first trace
             _maybe_dynamic(args, kwargs)
         try:
-            code = _guarded_code(own, args, kwargs)
+            code = guarded(args, kwargs)
             if code is not None:
                 return code(*args, **kwargs)
             return compiled(*args, **kwargs)
@@ -240,33 +241,37 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
     return call
 
 
-def _guarded_code(own: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any] | None:
-    """The code TorchDynamo compiled for this call of `own`, as a function: its first cache entry
-    whose guards pass (TorchDynamo's own C++ guards, given the frame's locals), as its frame
-    evaluation would pick it; None where none passes (TorchDynamo then compiles anew), where the
-    code continues in frames TorchDynamo compiles (a graph break's resume functions), while
-    TorchDynamo traces, or where the user set it aside (a stance other than the default,
-    `torch._dynamo.config.disable`). Calling it directly skips TorchDynamo's per-call frame
-    handling around the guards (`bert-tiny`: about 0.1 ms of 1.6)."""
+def _guarded_code(own: Callable[..., Any]) -> Callable[[tuple, dict], Callable[..., Any] | None]:
+    """code_for(args, kwargs): the code TorchDynamo compiled for that call of `own`, as a
+    function: its first cache entry whose guards pass (TorchDynamo's own C++ guards, given the
+    frame's locals), as its frame evaluation would pick it; None where none passes (TorchDynamo
+    then compiles anew), where the code continues in frames TorchDynamo compiles (a graph
+    break's resume functions), while TorchDynamo traces, or where the user set it aside (a
+    stance other than the default, `torch._dynamo.config.disable`). Calling it directly skips
+    TorchDynamo's per-call frame handling around the guards (`bert-tiny`: about 0.1 ms of 1.6).
+    What does not change between calls (TorchDynamo's modules, own's closure) is read here once."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo import config as dynamo_config
     from torch._dynamo import eval_frame
 
-    if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
+    free = dict(zip(own.__code__.co_freevars, (c.cell_contents for c in own.__closure__)))
+
+    def code_for(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
+        if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
+            return None
+        frame = {"args": args, "kwargs": kwargs, **free}
+        for entry in _debug_get_cache_entry_list(own.__code__):
+            try:
+                passed = entry.guard_manager.check(frame)
+            except Exception:  # a guard that cannot be evaluated (an attribute gone): TorchDynamo decides
+                return None
+            if passed:
+                if any(name.startswith("__resume_at") for name in entry.code.co_names):
+                    return None
+                return types.FunctionType(entry.code, own.__globals__, own.__name__, None, own.__closure__)
         return None
 
-    cells = (c.cell_contents for c in own.__closure__)
-    frame = {"args": args, "kwargs": kwargs, **dict(zip(own.__code__.co_freevars, cells))}
-    for entry in _debug_get_cache_entry_list(own.__code__):
-        try:
-            passed = entry.guard_manager.check(frame)
-        except Exception:  # a guard that cannot be evaluated (an attribute gone): TorchDynamo decides
-            return None
-        if passed:
-            if any(name.startswith("__resume_at") for name in entry.code.co_names):
-                return None
-            return types.FunctionType(entry.code, own.__globals__, own.__name__, None, own.__closure__)
-    return None
+    return code_for
 
 
 def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
