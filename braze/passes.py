@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from . import config, dims
 from .dims import Dim, Expr
-from .ir import ELEMENTWISE, Graph, Node, Op, TensorMeta, verify
+from .ir import ELEMENTWISE, Graph, Node, Op, TensorMeta, contiguous_strides, verify
 
 Pass = Callable[[Graph], Graph]
 
@@ -123,32 +123,46 @@ def fuse_epilogue(graph: Graph) -> Graph:
     """Run a FUSED consumer of a GEMM in place on the GEMM's output, right after the BLAS call.
 
     Allowed when the loop is the GEMM value's only user and writes the same layout, so each
-    element is read and written at the same address while it is still in cache.
+    element is read and written at the same address while it is still in cache; also through
+    a reshape of that output (a Linear of [B, T, D] is a GEMM of [B*T, D] viewed as [B, T, N]),
+    whose elements lie at the same addresses: the loop then reads the view.
     """
     users, outputs = graph.users(), set(graph.outputs)
     across = _changes_between(graph)
-    fold: dict[str, Node] = {}  # FUSED name -> GEMM it absorbs
+    fold: dict[str, tuple[Node, Node]] = {}  # FUSED name -> (GEMM it absorbs, value it reads)
     for n in graph.nodes:
         if n.op is not Op.GEMM or n.body or n.name in outputs:
             continue
-        us = users[n.name]
-        one = len(us) >= 1 and all(u is us[0] for u in us)
-        if one and us[0].op is Op.FUSED and us[0].meta == n.meta and not across(n.name, us[0].name):
-            fold[us[0].name] = n
+        acc, user = n, _sole_user(n, users)
+        if user is not None and _reshape_of(n, user) and user.name not in outputs:
+            acc, user = user, _sole_user(user, users)
+        if user is not None and user.op is Op.FUSED and user.meta == acc.meta and not across(n.name, user.name):
+            fold[user.name] = (n, acc)
     if not fold:
         return graph
-    gone = {g.name for g in fold.values()}
+    gone = {name for g, acc in fold.values() for name in (g.name, acc.name)}
     nodes = []
     for n in graph.nodes:
         if n.name in gone:
             continue
         if n.name in fold:
-            g = fold[n.name]
-            extra = tuple(i for i in n.inputs if i != g.name)
-            attrs = {**g.attrs, "acc": g.name, "acc_meta": g.meta, "body": n.body}
+            g, acc = fold[n.name]
+            extra = tuple(i for i in n.inputs if i != acc.name)
+            attrs = {**g.attrs, "gemm_meta": g.meta, "acc": acc.name, "acc_meta": acc.meta, "body": n.body}
             n = Node(n.name, Op.GEMM, g.inputs + extra, n.meta, attrs)
         nodes.append(n)
     return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _sole_user(n: Node, users: dict[str, list[Node]]) -> Node | None:
+    us = users[n.name]
+    return us[0] if us and all(u is us[0] for u in us) else None
+
+
+def _reshape_of(g: Node, v: Node) -> bool:
+    """Whether view v shows all of g's elements in g's own order (both contiguous from offset 0)."""
+    contiguous = lambda m: m.offset == 0 and m.stride == contiguous_strides(m.shape)  # noqa: E731
+    return v.op is Op.VIEW and v.meta.numel == g.meta.numel and contiguous(g.meta) and contiguous(v.meta)
 
 
 def _owner(n: Node, by_name: dict[str, Node]) -> str:

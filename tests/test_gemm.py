@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from braze import config
+from braze.ir import Op
 
 from .helpers import check_model
 
@@ -97,6 +98,30 @@ def test_epilogue_is_fused_into_the_gemm():
     compiled = check_model(lambda x: torch.relu(F.linear(x, w, b)) * 0.5 + x, (torch.randn(32, 64),), kernels=1)
     gemm = next(n for n in compiled.programs()[0].graph.nodes if n.op.value == "gemm")
     assert [b.op.value for b in gemm.body] == ["relu", "mul", "add"]
+
+
+def test_epilogue_reads_the_gemm_through_a_reshape():
+    """A Linear of [B, T, D] is a GEMM of [B*T, D] viewed as [B, T, N]: the GELU and the residual
+    add after it run in the GEMM's epilogue, as does a 1 x 1 squeeze-excite's reshape to
+    [1, C, 1, 1], whose bias (of [C]) must still be laid out over the GEMM's [1, C]."""
+    w1, b1, w2, b2 = torch.randn(48, 16), torch.randn(48), torch.randn(16, 48), torch.randn(16)
+
+    def mlp(x):
+        return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2) + x
+
+    for shape in [(3, 7, 16), (1, 1, 16), (2, 33, 16)]:
+        compiled = check_model(mlp, (torch.randn(*shape),), kernels=2, externs=0)
+        bodies = [[b.op.value for b in n.body] for n in compiled.programs()[0].graph.nodes if n.op is Op.GEMM]
+        assert bodies == [["gelu_erf"], ["add"]]
+    se = lambda x: F.hardsigmoid(F.linear(x, w1, b1).view(1, 48, 1, 1)) * 2  # noqa: E731
+    check_model(se, (torch.randn(1, 16),), kernels=1, externs=0)
+
+
+def test_epilogue_does_not_read_through_a_view_that_reorders():
+    w = torch.randn(12, 8)
+    compiled = check_model(lambda x: F.linear(x, w).view(6, 2, 12).transpose(0, 1) * 2, (torch.randn(12, 8),))
+    gemm = next(n for n in compiled.programs()[0].graph.nodes if n.op is Op.GEMM)
+    assert not gemm.body  # the loop writes another layout than the product's: its own kernel
 
 
 def test_thread_counts_match_eager():

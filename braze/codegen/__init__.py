@@ -473,24 +473,26 @@ class ModuleBuilder:
 
     # --- GEMM --------------------------------------------------------------------------------
     def _gemm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        acc_name = k.attrs.get("acc", k.name)
-        acc_meta = k.attrs.get("acc_meta", k.meta)
-        c = Access(self.slot_of(k.name).slot, acc_meta)
+        # The product's own layout; an epilogue may read it through a reshape (acc_meta).
+        gemm_meta = k.attrs.get("gemm_meta", k.meta)
+        slot = self.slot_of(k.name).slot
+        c = Access(slot, gemm_meta)
         m1, m2, bias = k.inputs[:3]
-        if acc_meta.numel == 0:
+        if gemm_meta.numel == 0:
             return
         if bias is not None:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
-            copy = Node(acc_name, Op.COPY, (bias,), acc_meta)
-            self._loop_kernel(b, table, acc_meta, c, (copy,), {})
+            copy = Node(k.name, Op.COPY, (bias,), gemm_meta)
+            self._loop_kernel(b, table, gemm_meta, c, (copy,), {})
         blas = k.attrs["blas"]
         if blas["k"] > 0:
             one = self._one_thread(b, table, k)
             self._sgemm_call(b, table, blas, self.slot_of(m1), self.slot_of(m2), c, k.attrs["beta"], one)
         elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
-            zero = Node(acc_name, Op.MUL, (0.0, 0.0), acc_meta)
-            self._loop_kernel(b, table, acc_meta, c, (zero,), {})
+            zero = Node(k.name, Op.MUL, (0.0, 0.0), gemm_meta)
+            self._loop_kernel(b, table, gemm_meta, c, (zero,), {})
         if k.body:
-            self._loop_kernel(b, table, k.meta, c, k.body, {acc_name: c})
+            acc = Access(slot, k.attrs["acc_meta"])
+            self._loop_kernel(b, table, k.meta, acc, k.body, {k.attrs["acc"]: acc})
 
     def _one_thread(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> bool | ll.Value:
         """Whether the GEMM runs on one thread: decided when compiling, or, in a generic program,
