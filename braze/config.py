@@ -45,6 +45,9 @@ disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
 # Programs compiled with this set count the CPU cycles their BLAS calls take (timing.split uses
 # it to tell braze's own time per call from its BLAS calls' time). Off: no counting code at all.
 blas_clock: bool = bool(_env_int("BRAZE_BLAS_CLOCK", 0))
+# Name braze's JIT functions for Linux perf (/tmp/perf-<pid>.map): `perf report` then shows
+# braze_layer_norm_rows or a program's kernel where it otherwise shows bare addresses.
+perf_map: bool = bool(_env_int("BRAZE_PERF_MAP", 0))
 
 # At import, move the objects that exist (torch's own modules and functions, ~165k objects) out of
 # the cyclic garbage collector's reach (gc.freeze), so no first call pays ~100 ms for a full
@@ -63,6 +66,7 @@ _KNOBS = (
     "one_thread_gemm_flops",
     "disable_native",
     "blas_clock",
+    "perf_map",
     "gc_freeze",
 )
 

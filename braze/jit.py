@@ -28,6 +28,8 @@ import llvmlite.binding as llvm
 import llvmlite.ir as ll
 import torch
 
+from . import config
+
 _lock = threading.Lock()
 _state: dict[int, tuple[llvm.ExecutionEngine, llvm.TargetMachine]] = {}
 
@@ -456,13 +458,33 @@ def compile_module(
         t2 = time.perf_counter()
         optimized = str(mod) if want_text else ""
         asm = tm.emit_assembly(mod) if want_text else ""
+        defined = [fn.name for fn in mod.functions if not fn.is_declaration] if config.perf_map else []
         engine.add_module(mod)
         engine.finalize_object()
         addresses = {n: engine.get_function_address(n) or engine.get_global_value_address(n) for n in names}
+        if defined:
+            _write_perf_map({engine.get_function_address(n): n for n in defined})
         t3 = time.perf_counter()
     ms = lambda a, b: (b - a) * 1e3  # noqa: E731
     timings = [("llvm.parse", ms(t0, t1)), ("llvm.optimize", ms(t1, t2)), ("llvm.machine_code", ms(t2, t3))]
     return Compiled(addresses, ir_text if want_text else "", optimized, asm, timings)
+
+
+_perf_symbols: dict[int, str] = {}  # every JIT function loaded so far, by address (perf_map)
+
+
+def _write_perf_map(symbols: dict[int, str]) -> None:
+    """Name the JIT's functions for Linux perf, which reads /tmp/perf-<pid>.map (MCJIT writes
+    none). MCJIT gives no sizes: each function's is the distance to the next one with an address
+    (at most 64 KiB), so it includes the padding after it, and a function MCJIT gives no address
+    for is counted with the one before it."""
+    _perf_symbols.update((a, n) for a, n in symbols.items() if a)
+    starts = sorted(_perf_symbols)
+    if not starts:
+        return
+    with open(f"/tmp/perf-{os.getpid()}.map", "w") as f:
+        for a, b in zip(starts, [*starts[1:], starts[-1] + 4096]):
+            f.write(f"{a:x} {min(b - a, 1 << 16):x} {_perf_symbols[a]}\n")
 
 
 METH_FASTCALL, METH_KEYWORDS = 0x80, 0x02

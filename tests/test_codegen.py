@@ -103,3 +103,21 @@ def test_only_loops_left_scalar_go_through_the_optimiser():
     scalar = [f for f in functions if f not in skipped]
     assert len(scalar) == 1 and scalar[0].startswith("loop"), (functions, skipped)  # the strided x.t() * 2
     assert any(f.endswith("_seg0") for f in skipped)
+
+
+def test_perf_map_names_the_jit_functions():
+    """With perf_map, /tmp/perf-<pid>.map names each function a program loads (Linux perf's format:
+    hex start, hex size, name), its size reaching no further than the next function's start."""
+    import os
+
+    path = f"/tmp/perf-{os.getpid()}.map"
+    read = lambda: [line.split() for line in open(path)] if os.path.exists(path) else []  # noqa: E731
+    before = {r[2] for r in read()}
+    with config.patch(perf_map=True):
+        check_model(lambda x: torch.relu(x * 3 - 1), (torch.randn(37, 5),), kernels=1)
+    rows = read()
+    assert rows and all(len(r) == 3 for r in rows)
+    starts = sorted((int(a, 16), int(n, 16), name) for a, n, name in rows)
+    assert all(a + n <= b for (a, n, _), (b, _, _) in zip(starts, starts[1:]))
+    new = {name for _, _, name in starts} - before
+    assert any(n.endswith("_entry") for n in new) and any(n.endswith("_body") for n in new), new
