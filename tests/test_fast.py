@@ -300,8 +300,9 @@ def test_pointwise_convolutions_are_gemms_within_the_contract(scale, shape):
     assert not prog.externs
     ops = [n.op for n in prog.graph.nodes]
     assert ops.count(Op.CONV) == 3
-    pools = 3 if shape[0] > 1 else 0
-    assert (ops.count(Op.GEMM), ops.count(Op.BMM)) == (11 - pools, pools)
+    # each pool sums its pixels in two levels (two GEMMs; in batches, of blocks large enough for a
+    # batched GEMM)
+    assert (ops.count(Op.GEMM), ops.count(Op.BMM)) == ((8, 6) if shape[0] > 1 else (14, 0))
     report = braze.check_accuracy(model, x)
     assert report.ok, str(report)
 

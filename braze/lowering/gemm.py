@@ -68,13 +68,16 @@ def _blas_call(ta: bool, tb: bool, m: int, n: int, k: int, lda: int, ldb: int, l
     return dict(ta=ta, tb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc) if ok else None
 
 
+BMM_MIN_MACS = 400  # ATen's bmm runs its own loop below this many multiply-adds a matrix
+
+
 def bmm_blas_args(c: TensorMeta, b1: TensorMeta, b2: TensorMeta) -> dict[str, Any] | None:
     """The cblas_sgemm_batch call ATen's bmm makes for these layouts (LinearAlgebra.cpp:
     bmm_out_or_baddbmm_, baddbmm_with_gemm_), or None where it takes another path: its own loop
     below 400 multiply-adds a matrix, per-matrix addmm for other layouts, sgemm_ for one matrix,
     oneDNN when the float32 matmul precision is reduced (see _full_precision)."""
     (batch, rows, inner), cols = b1.shape, b2.shape[2]
-    if batch < 2 or rows * cols == 0 or inner * rows * cols < 400 or c.stride != contiguous_strides(c.shape):
+    if batch < 2 or rows * cols == 0 or inner * rows * cols < BMM_MIN_MACS or c.stride != contiguous_strides(c.shape):
         return None
 
     def items(t: TensorMeta) -> bool:  # each matrix contiguous or transposed
