@@ -34,7 +34,6 @@ from .codegen import (
     combine_lanes,
     counted_loop,
     declared,
-    fma,
     gather,
     lanes_below,
     masked_load,
@@ -42,6 +41,7 @@ from .codegen import (
     smaller,
     splat,
 )
+from .gemmkernel import block_kernel, carried
 
 NAME = "braze_attention"
 NAMES = [NAME, f"{NAME}_bool", f"{NAME}_float"]  # by kind of mask: none, boolean, additive float
@@ -49,74 +49,6 @@ MR, NR = 6, 32  # queries per block (12 accumulators), keys or head dimensions p
 # q, k, v, out, mask; heads, group, T, S, d; b, h, t strides of q, k, v, out and mask; scale,
 # causal, lo, hi
 ARGS = [PTR] * 5 + [I64] * 5 + [I64] * 15 + [F32, I64, I64, I64]
-
-
-def _carried(
-    b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int, init: list[ll.Value], body: Callable[..., list[ll.Value]]
-) -> list[ll.Value]:
-    """A counted loop over [lo, hi) by `step` whose values start as `init` and become
-    body(i, values) each step; the values after it (init where it ran zero times)."""
-    fn, pre = b.function, b.block
-    loop, after = fn.append_basic_block("loop"), fn.append_basic_block("after")
-    b.cbranch(b.icmp_signed("<", lo, hi), loop, after)
-    b.position_at_end(loop)
-    i = b.phi(I64)
-    i.add_incoming(lo, pre)
-    phis = []
-    for v in init:
-        phis.append(b.phi(v.type))
-        phis[-1].add_incoming(v, pre)
-    out = body(i, phis)
-    nxt = b.add(i, I64(step))
-    end = b.block
-    i.add_incoming(nxt, end)
-    for phi, v in zip(phis, out):
-        phi.add_incoming(v, end)
-    b.cbranch(b.icmp_signed("<", nxt, hi), loop, after)
-    b.position_at_end(after)
-    final = []
-    for v, o in zip(init, out):
-        final.append(b.phi(v.type))
-        final[-1].add_incoming(v, pre)
-        final[-1].add_incoming(o, end)
-    return final
-
-
-def _block_kernel(module: ll.Module, mr: int) -> ll.Function:
-    """(x, lda, panel, ldp, K, out, ldo, ncols): out[r, :ncols] = sum_k x[r, k] panel[k ldp : +32]
-    for r < mr (ncols <= 32; the panel's 32 columns are read whole)."""
-    f = ll.Function(module, ll.FunctionType(VOID, [PTR, I64, PTR, I64, I64, PTR, I64, I64]), f"{NAME}_{mr}")
-    f.linkage = "internal"
-    x, lda, panel, ldp, k, out, ldo, ncols = f.args
-    b = ll.IRBuilder(f.append_basic_block("entry"))
-    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
-    rows = [at(x, b.mul(lda, I64(r))) for r in range(mr)]
-
-    def step(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
-        base = b.mul(kk, ldp)
-        w = [b.load(at(panel, b.add(base, I64(16 * h))), typ=LANES16, align=4) for h in range(2)]
-        acc = list(acc)
-        for r in range(mr):
-            a = splat(b, b.load(at(rows[r], kk), typ=F32), 16)
-            for h in range(2):
-                acc[2 * r + h] = fma(b, a, w[h], acc[2 * r + h])
-        return acc
-
-    def unrolled(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
-        for u in range(4):
-            acc = step(b.add(kk, I64(u)), acc)
-        return acc
-
-    whole = b.and_(k, I64(-4))
-    acc = _carried(b, I64(0), whole, 4, [ll.Constant(LANES16, [0.0] * 16)] * (2 * mr), unrolled)
-    acc = _carried(b, whole, k, 1, acc, step)
-    masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
-    for r in range(mr):
-        row = at(out, b.mul(ldo, I64(r)))
-        for h in range(2):
-            masked_store(b, acc[2 * r + h], at(row, I64(16 * h)), masks[h])
-    b.ret_void()
-    return f
 
 
 def _pack_keys(b: ll.IRBuilder, k: ll.Value, ldk: ll.Value, s: ll.Value, d: ll.Value, packed: ll.Value) -> None:
@@ -159,7 +91,7 @@ def _softmax_rows(
             value = b.select(lanes, z, low)
             return [b.select(b.fcmp_ordered(">", value, acc[0]), value, acc[0])]  # NaN never wins
 
-        (top,) = _carried(b, I64(0), s, 16, [low], most)
+        (top,) = carried(b, I64(0), s, 16, [low], most)
         top = combine_lanes(b, top, lambda x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
         empty = b.fcmp_ordered("==", top, F32(float("-inf")))  # every score NaN or -inf: eager's row is 0
         top = splat(b, top, 16)
@@ -170,7 +102,7 @@ def _softmax_rows(
             b.store(e, at(t), align=4)
             return [b.fadd(acc[0], e)]
 
-        (total,) = _carried(b, I64(0), extent, 16, [zero], exps)
+        (total,) = carried(b, I64(0), extent, 16, [zero], exps)
         inverse_sum = b.select(empty, F32(0.0), b.fdiv(F32(1.0), combine_lanes(b, total, b.fadd)))
         b.store(inverse_sum, b.gep(inverse, [r], source_etype=F32))
 
@@ -215,6 +147,7 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
         limit = b.select(causal, smaller(b, s, b.add(i, height)), s)
 
         def block(args: list[ll.Value]) -> None:
+            args = [*args, ll.Constant(PTR, None), I64(0)]  # no initial values: the sums alone
             for mr in range(1, MR + 1):
                 with b.if_then(b.icmp_signed("==", height, I64(mr))):
                     b.call(kernels[mr], args)
@@ -242,7 +175,7 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
 
 def _entry(module: ll.Module, kind: int) -> None:
     """NAMES[kind]: the kernel for one kind of mask (each is built when first needed)."""
-    head = _head(module, kind, {mr: _block_kernel(module, mr) for mr in range(1, MR + 1)})
+    head = _head(module, kind, {mr: block_kernel(module, NAME, mr) for mr in range(1, MR + 1)})
     malloc = declared(module, "malloc", PTR, [I64])
     free = declared(module, "free", VOID, [PTR])
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAMES[kind])

@@ -40,6 +40,9 @@ release_gil_flops: int = _env_int("BRAZE_RELEASE_GIL_FLOPS", 1 << 20)
 # threads here; 1 MFLOP: 0-20% faster), and the core that runs the bias copy and the epilogue
 # keeps the whole output in its cache.
 one_thread_gemm_flops: int = _env_int("BRAZE_ONE_THREAD_GEMM_FLOPS", 1 << 19)
+# GEMMs of a weight (linear's [N, K], GPT-2's Conv1D [K, N]) run braze's own kernel in MKL's order
+# of operations (gemmkernel.py) where its probe gives eager's bits; 0: always MKL's sgemm_.
+own_gemm: bool = bool(_env_int("BRAZE_OWN_GEMM", 1))
 # Set to 1 to skip native code entirely (every op goes through ATen); a debugging aid.
 disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
 # Programs compiled with this set count the CPU cycles their BLAS calls take (timing.split uses
@@ -64,6 +67,7 @@ _KNOBS = (
     "parallel_threshold",
     "release_gil_flops",
     "one_thread_gemm_flops",
+    "own_gemm",
     "disable_native",
     "blas_clock",
     "perf_map",

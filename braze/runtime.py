@@ -382,7 +382,8 @@ class Program:
         return [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
 
     def _one_thread_gemms(self) -> bool:
-        one = lambda k: k.attrs.get("one_thread", False) or k.attrs.get("one_thread_sizes")  # noqa: E731
+        # also braze's own GEMMs: probed at MKL's thread count (on another, MKL's bits may differ)
+        one = lambda k: k.attrs.get("one_thread") or k.attrs.get("one_thread_sizes") or k.attrs.get("own_kernel")  # noqa: E731
         return any(one(k) for s in self.segments for k in s.kernels)
 
     def _onednn(self) -> bool:

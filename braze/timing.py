@@ -70,7 +70,8 @@ def split(fn: Callable[..., Any], args: tuple, rounds: int = 15, seconds: float 
     """braze's own time per call of `fn` beside its BLAS calls', measured in the same calls.
 
     `fn` is compiled again with config.blas_clock: its program adds the cycles of the CPU's
-    time-stamp counter spent inside each BLAS call to a counter. A round times `n` calls by the
+    time-stamp counter spent inside each BLAS call (and each of braze's own GEMM kernels, which
+    do the work of one) to a counter. A round times `n` calls by the
     wall clock and by that counter; the BLAS share of the round's cycles is the BLAS share of its
     time. The fastest round's split is returned (other work on the machine only adds time). The
     counting itself (two reads of the counter per BLAS call) adds a few nanoseconds to braze's

@@ -1,4 +1,5 @@
-"""GEMMs: braze calls MKL's sgemm_ with the arguments ATen's addmm would pass, so the bits match."""
+"""GEMMs: braze calls MKL's sgemm_ with the arguments ATen's addmm would pass, so the bits match,
+or its own kernel in MKL's order of operations where a probe shows the same bits."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import braze
 from braze import config
 from braze.ir import Op
 
@@ -268,3 +270,92 @@ def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
     finally:
         torch.set_default_dtype(before)
     assert len(seen) == 12 and all(t.dtype == torch.float32 for t in seen)  # 2 alignments x 2 calls
+
+
+# --- braze's own GEMM kernel (gemmkernel.py): MKL's order of operations, X @ W with W [K, N] ---
+
+
+def _own(compiled, program: int = -1) -> list[int]:
+    kernels = [k for s in compiled.programs()[program].segments for k in s.kernels]
+    return [k.attrs.get("own_kernel", 0) for k in kernels if k.op is Op.GEMM]
+
+
+@pytest.mark.parametrize("rows", [32, 33, 257])
+@pytest.mark.parametrize("k", [2, 7, 17, 192, 193, 383, 385, 1000])
+@pytest.mark.parametrize("n", [16, 33, 100])
+@pytest.mark.parametrize("linear", [False, True], ids=["KN", "NK"])
+def test_own_kernel_matches_mkl_bit_for_bit(rows, k, n, linear, threads):
+    # The kernel on its own, against eager's addmm and mm (linear, for a [N, K] weight) on both
+    # thread counts: K across MKL's blocks of 192 (and its halves below 384) and the 16 x 16
+    # transposes, N across the 32-column panels, rows across the 6-row blocks; values of many
+    # scales with NaN, infinities, signed zeros and denormals.
+    from braze import gemmkernel, jit
+
+    x, w, bias = torch.randn(rows, k) * torch.logspace(-3, 3, rows).unsqueeze(1), torch.randn(k, n), torch.randn(n)
+    x[0, : min(k, 5)] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf")])[: min(k, 5)]
+    x[1] = -0.0
+    if linear:
+        w = w.t().contiguous()
+    for t in (1, 2):
+        threads(t)
+        eager = (F.linear(x, w, bias), F.linear(x, w)) if linear else (torch.addmm(bias, x, w), x @ w)
+        assert jit.same_bits(gemmkernel.gemm(x, w, bias, linear), eager[0], nan_payloads=False)
+        assert jit.same_bits(gemmkernel.gemm(x, w, None, linear), eager[1], nan_payloads=False)
+
+
+@pytest.mark.parametrize("bias", ["row", "column", "none"])
+@pytest.mark.parametrize("linear", [False, True], ids=["conv1d", "linear"])
+def test_gemms_of_a_weight_run_braze_kernel(bias, linear, threads):
+    # GPT-2's Conv1D (addmm(bias, x, W) with W [K, N]) and linear (W [N, K]), with a GELU
+    # epilogue. A bias row is read by the kernel; another bias is copied into the output first,
+    # as ATen does.
+    threads(2)
+    w = torch.randn(96, 80) * 0.1
+    b = {"row": torch.randn(80), "column": torch.randn(64, 1), "none": None}[bias]
+    if linear:
+        wt = w.t().contiguous()
+        fn = (lambda x: F.gelu(F.linear(x, wt) + b)) if bias == "column" else (lambda x: F.gelu(F.linear(x, wt, b)))
+    else:
+        fn = (lambda x: F.gelu(torch.addmm(b, x, w))) if b is not None else (lambda x: F.gelu(x @ w))
+    compiled = check_model(fn, (torch.randn(64, 96),), kernels=1, externs=0)
+    assert _own(compiled)[0] > 0
+
+
+def test_own_kernel_serves_every_row_count_of_a_generic_program(threads):
+    # Below 16 rows per MKL thread MKL takes another path: a generic program checks the row count
+    # on each call and calls sgemm_ there.
+    threads(2)
+    w, b = torch.randn(96, 80) * 0.1, torch.randn(80)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(b, x.view(-1, 96), w).view(*x.shape[:-1], 80)
+
+    compiled = braze.compile(fn)
+    for t in (40, 41, 3, 17, 100, 16, 15, 257, 1):
+        check_model(fn, (torch.randn(2, t, 96),), compiled=compiled)
+    generic = [i for i, p in enumerate(compiled.programs()) if p.family is not None]
+    assert generic and _own(compiled, generic[0])[0] > 0
+
+
+def test_own_kernel_falls_back_to_sgemm_where_its_probe_disagrees(threads, monkeypatch):
+    from braze import gemmkernel
+
+    threads(2)
+    monkeypatch.setattr(gemmkernel, "same", lambda shapes, linear=False: False)
+    w = torch.randn(96, 80)
+    compiled = check_model(lambda x: x @ w, (torch.randn(64, 96),), kernels=1, externs=0)
+    assert _own(compiled) == [0]
+    assert "braze's GEMM kernel" not in braze.explain(lambda x: x @ w, torch.randn(64, 96))
+
+
+def test_own_kernel_is_a_knob_and_skips_small_gemms(threads):
+    threads(2)
+    w = torch.randn(96, 80)
+    with config.patch(own_gemm=False):
+        assert _own(check_model(lambda x: x @ w, (torch.randn(64, 96),), kernels=1)) == [0]
+    assert _own(check_model(lambda x: x @ w, (torch.randn(64, 96),), kernels=1)) != [0]
+    big = torch.randn(1024, 512)
+    assert _own(check_model(lambda x: x @ big, (torch.randn(31, 1024),), kernels=1)) == [0]  # < 16 rows a thread
+    assert _own(check_model(lambda x: x @ w[:16, :16], (torch.randn(40, 16),), kernels=1)) == [0]  # < 0.5 MFLOP
+    assert _own(check_model(lambda x: x @ big[:, :8], (torch.randn(64, 1024),), kernels=1)) == [0]  # < 16 columns
+    assert _own(check_model(lambda x: x @ big[:1], (torch.randn(4096, 1),), kernels=1)) == [0]  # K = 1

@@ -139,6 +139,16 @@ class ModuleBuilder:
     def _cycles(self, b: ll.IRBuilder) -> ll.Value:
         return b.call(self.declare("llvm.readcyclecounter", I64, []), [])
 
+    @contextlib.contextmanager
+    def _clocked(self, b: ll.IRBuilder) -> Iterator[None]:
+        """With the clock on (config.blas_clock), add the cycles of the GEMM code emitted inside
+        (a BLAS call, braze's GEMM kernel) to the counter."""
+        start = self._cycles(b) if self.clock is not None else None
+        yield
+        if self.clock is not None:
+            took = b.sub(self._cycles(b), start)
+            b.store(b.add(b.load(self.clock, typ=I64), took), self.clock)
+
     def _blas(
         self,
         b: ll.IRBuilder,
@@ -159,11 +169,8 @@ class ModuleBuilder:
                 saved = b.alloca(I32)
             with b.if_then(one_thread):
                 b.store(b.call(threads, [I32(1)]), saved)
-        start = self._cycles(b) if self.clock is not None else None
-        b.call(self.declare(name, VOID, types), args)
-        if self.clock is not None:
-            took = b.sub(self._cycles(b), start)
-            b.store(b.add(b.load(self.clock, typ=I64), took), self.clock)
+        with self._clocked(b):
+            b.call(self.declare(name, VOID, types), args)
         if before is not None:
             b.call(threads, [before])
         elif threads is not None:
@@ -480,19 +487,61 @@ class ModuleBuilder:
         m1, m2, bias = k.inputs[:3]
         if gemm_meta.numel == 0:
             return
-        if bias is not None:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
+        blas, own = k.attrs["blas"], k.attrs.get("own_kernel", 0)
+        # the kernel reads a bias row itself, where it runs at every size the program admits
+        row = own and isinstance(blas["n"], int) and bias is not None and _bias_row(self.slot_of(bias).meta, gemm_meta)
+        if bias is not None and not row:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
             copy = Node(k.name, Op.COPY, (bias,), gemm_meta)
             self._loop_kernel(b, table, gemm_meta, c, (copy,), {})
-        blas = k.attrs["blas"]
-        if blas["k"] > 0:
-            one = self._one_thread(b, table, k)
-            self._sgemm_call(b, table, blas, self.slot_of(m1), self.slot_of(m2), c, k.attrs["beta"], one)
+        operands = (self.slot_of(m1), self.slot_of(m2), c)
+        sgemm = lambda: self._sgemm_call(b, table, blas, *operands, k.attrs["beta"], self._one_thread(b, table, k))  # noqa: E731
+        if own and isinstance(blas["n"], int):
+            self._own_gemm(b, table, blas, operands, self.slot_of(bias) if row else None, k.attrs["beta"])
+        elif own:  # a generic program: MKL's other path below `own` rows
+            with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
+                with mine:
+                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"])
+                with mkl:
+                    sgemm()
+        elif blas["k"] > 0:
+            sgemm()
         elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
             zero = Node(k.name, Op.MUL, (0.0, 0.0), gemm_meta)
             self._loop_kernel(b, table, gemm_meta, c, (zero,), {})
         if k.body:
             acc = Access(slot, k.attrs["acc_meta"])
             self._loop_kernel(b, table, k.meta, acc, k.body, {k.attrs["acc"]: acc})
+
+    def _own_gemm(
+        self,
+        b: ll.IRBuilder,
+        table: ll.Value,
+        blas: dict,
+        operands: tuple[Access, Access, Access],
+        bias: Access | None,
+        beta: float,
+    ) -> None:
+        """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
+        untransposed, [N, K] transposed), its rows split between ATen's threads. The output starts as
+        the bias row where `bias` is one, else as the copy of the bias into it (beta 1) or
+        empty (beta 0)."""
+        from .. import gemmkernel  # built on this module's helpers
+
+        name = gemmkernel.NAME_NK if blas["ta"] else gemmkernel.NAME  # linear's [N, K] weight, or [K, N]
+        fn = self.kernel(gemmkernel, name, gemmkernel.ARGS)
+        x, w, c = operands
+        m, n, kk = blas["n"], blas["m"], blas["k"]
+        with self._clocked(b), self._ranged(b, table, "own_gemm", m * n * kk, m) as (kb, tbl, lo, hi):
+            out = self.pointer(kb, tbl, c)
+            if bias is not None:
+                first, ldi = self.pointer(kb, tbl, bias), I64(0)
+            elif beta:
+                first, ldi = out, self.dim(kb, tbl, blas["ldc"])
+            else:
+                first, ldi = ll.Constant(PTR, None), I64(0)
+            ld = {d: self.dim(kb, tbl, blas[d]) for d in ("lda", "ldb", "ldc")}
+            inputs = [self.pointer(kb, tbl, x), ld["ldb"], self.pointer(kb, tbl, w), ld["lda"]]
+            kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, I64(n), I64(kk), lo, hi])
 
     def _one_thread(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> bool | ll.Value:
         """Whether the GEMM runs on one thread: decided when compiling, or, in a generic program,
@@ -594,6 +643,13 @@ _EMITTERS = {
     Op.EMBEDDING: "_embedding",
     Op.ATTENTION: "_attention",
 }
+
+
+def _bias_row(bias: TensorMeta, out: TensorMeta) -> bool:
+    """Whether the bias is one row of the output's width, elements adjacent (the kernel reads it
+    in place of ATen's copy of it into every row)."""
+    n = out.shape[-1]
+    return bias.numel == n and (n == 1 or bias.stride[-1] == 1) and bias.shape[-1] == n
 
 
 def _broadcast_strides(meta: TensorMeta) -> list[Dim]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import config, dims, fast, jit
+from .. import config, dims, fast, gemmkernel, jit
 from ..ir import Op, TensorMeta, broadcast_shape, contiguous_strides
 from . import conv
 from .core import META_RULES, Lowerer, NotNative, Sym, is_float32, no_out, to_meta
@@ -118,7 +118,28 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
         raise NotNative("layout ATen copies before its GEMM")
     inputs = (m1.name, m2.name, bias.name if bias is not None and beta != 0 else None)
     beta = float(beta) if bias is not None else 0.0
-    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, one_thread=_one_thread(args, beta))
+    own = own_kernel(args, beta)
+    one = not own and _one_thread(args, beta)
+    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one)
+
+
+def own_kernel(blas: dict[str, Any], beta: float) -> int:
+    """From how many rows gemmkernel's kernel computes this GEMM in place of sgemm_ (0: never):
+    X @ W with W [K, N] (GPT-2's Conv1D, matmul by a weight) or [N, K] (linear's), where MKL's
+    path is the one the kernel reproduces and its probe at this shape gives ATen's bits. A
+    generic program's row count may vary: the call checks it."""
+    if not config.own_gemm or not blas["swap"] or blas["tb"] or beta not in (0.0, 1.0):
+        return 0
+    m, n, k = blas["n"], blas["m"], blas["k"]  # rows, columns, depth (BLAS sees the transpose)
+    if not (isinstance(n, int) and isinstance(k, int)) or n < gemmkernel.MIN_N or k < gemmkernel.MIN_K:
+        return 0
+    # Smaller GEMMs stay MKL's, on one thread where that gives the same bits (config)
+    rows = max(gemmkernel.MIN_ROWS * jit.mkl_threads(), -(-config.one_thread_gemm_flops // (2 * n * k)))
+    if isinstance(m, int) and m < rows:
+        return 0
+    # At the program's own K and N, and the fewest rows (MKL's order does not change with more:
+    # same bits at every shape tried up to 8192 rows)
+    return rows if gemmkernel.same(((rows, k, n),), linear=blas["ta"]) else 0
 
 
 def _one_thread(blas: dict[str, Any], beta: float) -> bool:

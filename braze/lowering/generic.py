@@ -26,7 +26,7 @@ from ..capture import Captured
 from ..dims import Undecided
 from ..ir import Graph, Node, Op, TensorMeta
 from .core import Lowered, Sym, lower
-from .gemm import one_thread_sizes
+from .gemm import one_thread_sizes, own_kernel
 
 # Where a symbol is read: (argument position, dimension), or (position, -1) for an int argument
 # (TorchDynamo passes its symbolic sizes to a graph as ints).
@@ -138,6 +138,7 @@ def _fit(
     for node in generic.graph.nodes:
         if node.op is Op.GEMM:
             node.attrs["one_thread_sizes"] = one_thread_sizes(node.attrs["blas"], node.attrs["beta"], tuple(lo))
+            node.attrs["own_kernel"] = own_kernel(node.attrs["blas"], node.attrs["beta"])
     return generic, Family(tuple(tuple(p) for p in places), tuple(lo), _largest(generic.graph, lo))
 
 
@@ -216,9 +217,9 @@ def point_lowering(
     resized = tuple(
         a if i not in want else want[i][-1] if -1 in want[i] else _resized(a, want[i]) for i, a in enumerate(args)
     )
-    # Whether a small GEMM runs on one thread is probed per shape: a generic program's GEMMs run
-    # on MKL's thread count, as eager's do.
-    with config.patch(one_thread_gemm_flops=0):
+    # Whether a small GEMM runs on one thread, or braze's own kernel, is probed per shape: a
+    # generic program's GEMMs call sgemm_ on MKL's thread count, as eager's do.
+    with config.patch(one_thread_gemm_flops=0, own_gemm=False):
         return lower(captured, resized)
 
 

@@ -1,0 +1,293 @@
+"""braze's own float32 GEMM, in the order of operations MKL's sgemm_ follows here, so it gives
+eager's bits where it runs; built once per process into the JIT and probed against ATen before
+use (`same`).
+
+MKL's order (this wheel's MKL on this AMD CPU, docs/aten-bits.md): each output is its initial
+value (the bias ATen copied in, or nothing where beta is 0) plus, block after block of K, a sum
+that starts at 0 and adds x[i, k] * w[k, j] for k in order with one FMA each; blocks are 192
+long (K up to 192: one block; K below 384: blocks of K // 2, the rest a block of its own).
+MKL takes other paths for rows it hands a thread in a chunk of fewer than 4, for outputs of
+fewer than 12 columns, and with K = 1 (where it keeps a product's -0), so programs use this
+kernel only from MIN_ROWS rows per MKL thread, MIN_N columns and MIN_K up.
+
+    braze_gemm_rows(x, ldx, w, ldw, c, ldc, init, ldi, N, K, lo, hi)
+        rows lo..hi of c[M, N] (row stride ldc) = init + x[M, K] @ w[K, N], both operands with
+        unit column stride; init: a bias row (ldi 0), c itself as ATen filled it (ldi = ldc), or
+        null (beta 0: the sums alone)
+    braze_gemm_rows_nk(...)
+        the same with linear's weight, w[N, K] (rows ldw apart): c = init + x @ w.T
+
+Per block of K, 32 columns at a time: a [K, N] weight is read in place (the last, narrower
+panel copied into a zero-padded one), a [N, K] one packed into a panel on the stack, 16 x 16
+blocks loaded along K and transposed in registers (each thread packs the panels its rows need:
+no weight is kept between calls, so none can be stale). Then one register-blocked kernel of
+6 rows x 32 columns per 6 rows: 12 AVX-512 accumulators, per k one broadcast of x per row and
+two loads of the panel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import llvmlite.ir as ll
+import torch
+
+from . import jit
+from .codegen import (
+    F32,
+    I32,
+    I64,
+    LANES16,
+    PTR,
+    VOID,
+    counted_loop,
+    fma,
+    lanes_below,
+    masked_load,
+    masked_store,
+    smaller,
+    splat,
+)
+
+NAME = "braze_gemm_rows"  # W [K, N]
+NAME_NK = "braze_gemm_rows_nk"  # W [N, K]: linear's weight
+ARGS = [PTR, I64, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I64]
+MR, NR = 6, 32  # rows per block kernel (12 accumulators), columns per panel
+KC = 192  # MKL's block of K
+MIN_ROWS = 16  # per MKL thread (MKL gives chunks of fewer than 4 rows to another kernel)
+MIN_N = 16  # below 12 columns MKL takes another path
+MIN_K = 2  # with K = 1 MKL's output is the product itself: -0 where the kernel's 0 + -0 gives +0
+
+
+def carried(
+    b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, step: int, init: list[ll.Value], body: Callable[..., list[ll.Value]]
+) -> list[ll.Value]:
+    """A counted loop over [lo, hi) by `step` whose values start as `init` and become
+    body(i, values) each step; the values after it (init where it ran zero times)."""
+    fn, pre = b.function, b.block
+    loop, after = fn.append_basic_block("loop"), fn.append_basic_block("after")
+    b.cbranch(b.icmp_signed("<", lo, hi), loop, after)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    i.add_incoming(lo, pre)
+    phis = []
+    for v in init:
+        phis.append(b.phi(v.type))
+        phis[-1].add_incoming(v, pre)
+    out = body(i, phis)
+    nxt = b.add(i, I64(step))
+    end = b.block
+    i.add_incoming(nxt, end)
+    for phi, v in zip(phis, out):
+        phi.add_incoming(v, end)
+    b.cbranch(b.icmp_signed("<", nxt, hi), loop, after)
+    b.position_at_end(after)
+    final = []
+    for v, o in zip(init, out):
+        final.append(b.phi(v.type))
+        final[-1].add_incoming(v, pre)
+        final[-1].add_incoming(o, end)
+    return final
+
+
+def block_kernel(module: ll.Module, prefix: str, mr: int) -> ll.Function:
+    """(x, lda, panel, ldp, K, out, ldo, ncols, init, ldi): out[r, :ncols] = init[r ldi :
+    +ncols] + sum_k x[r, k] panel[k ldp : +32] for r < mr, the sum one FMA chain from 0 in the
+    order of k (init null: the sum alone). ncols <= 32; the panel's 32 columns are read whole."""
+    args = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64]
+    f = ll.Function(module, ll.FunctionType(VOID, args), f"{prefix}_{mr}")
+    f.linkage = "internal"
+    f.attributes.add("noinline")  # six inlined copies took the optimiser 4x as long
+    x, lda, panel, ldp, k, out, ldo, ncols, init, ldi = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    rows = [at(x, b.mul(lda, I64(r))) for r in range(mr)]
+
+    def step(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+        base = b.mul(kk, ldp)
+        w = [b.load(at(panel, b.add(base, I64(16 * h))), typ=LANES16, align=4) for h in range(2)]
+        acc = list(acc)
+        for r in range(mr):
+            a = splat(b, b.load(at(rows[r], kk), typ=F32), 16)
+            for h in range(2):
+                acc[2 * r + h] = fma(b, a, w[h], acc[2 * r + h])
+        return acc
+
+    acc = carried(b, I64(0), k, 1, [ll.Constant(LANES16, [0.0] * 16)] * (2 * mr), step)
+    masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
+    with b.if_else(b.icmp_unsigned("==", init, ll.Constant(PTR, None))) as (alone, added):
+        with alone:
+            for r in range(mr):
+                row = at(out, b.mul(ldo, I64(r)))
+                for h in range(2):
+                    masked_store(b, acc[2 * r + h], at(row, I64(16 * h)), masks[h])
+        with added:  # out may be init itself: each vector read before it is written
+            for r in range(mr):
+                row, first = at(out, b.mul(ldo, I64(r))), at(init, b.mul(ldi, I64(r)))
+                for h in range(2):
+                    start = masked_load(b, at(first, I64(16 * h)), masks[h])
+                    masked_store(b, b.fadd(start, acc[2 * r + h]), at(row, I64(16 * h)), masks[h])
+    b.ret_void()
+    return f
+
+
+def _transposed(b: ll.IRBuilder, rows: list[ll.Value]) -> list[ll.Value]:
+    """The 16 x 16 transpose of 16 vectors: the off-diagonal blocks of 8, 4, 2 and 1 swapped."""
+    rows = list(rows)
+    for s in (8, 4, 2, 1):
+        low = ll.Constant(ll.VectorType(I32, 16), [j if j & s == 0 else 16 + j - s for j in range(16)])
+        high = ll.Constant(ll.VectorType(I32, 16), [j + s if j & s == 0 else 16 + j for j in range(16)])
+        for r in range(16):
+            if r & s == 0:
+                a, c = rows[r], rows[r + s]
+                rows[r], rows[r + s] = b.shuffle_vector(a, c, low), b.shuffle_vector(a, c, high)
+    return rows
+
+
+def _panel_kn(
+    b: ll.IRBuilder,
+    w: ll.Value,
+    ldw: ll.Value,
+    k0: ll.Value,
+    j0: ll.Value,
+    depth: ll.Value,
+    ncols: ll.Value,
+    buf: ll.Value,
+) -> tuple[ll.Value, ll.Value]:
+    """W [K, N] (rows ldw apart): the panel read in place where it has 32 columns, else copied
+    into `buf` zero-padded. (panel, its row stride)."""
+    source = b.gep(w, [b.add(b.mul(k0, ldw), j0)], source_etype=F32)
+    whole = b.icmp_signed("==", ncols, I64(NR))
+    with b.if_then(b.not_(whole)):
+        masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
+        with counted_loop(b, I64(0), depth) as kk:
+            for h in range(2):
+                at = b.gep(source, [b.add(b.mul(kk, ldw), I64(16 * h))], source_etype=F32)
+                b.store(
+                    masked_load(b, at, masks[h]), b.gep(buf, [b.add(b.mul(kk, I64(2)), I64(h))], source_etype=LANES16)
+                )
+    return b.select(whole, source, buf), b.select(whole, ldw, I64(NR))
+
+
+def _panel_nk(
+    b: ll.IRBuilder,
+    w: ll.Value,
+    ldw: ll.Value,
+    k0: ll.Value,
+    j0: ll.Value,
+    depth: ll.Value,
+    ncols: ll.Value,
+    buf: ll.Value,
+) -> tuple[ll.Value, ll.Value]:
+    """W [N, K] (linear's weight, rows ldw apart): the panel packed into `buf`, 16 x 16 blocks
+    loaded along K and transposed in registers (columns past N are zeros)."""
+    with counted_loop(b, I64(0), depth, 16) as kk:
+        lanes = lanes_below(b, b.sub(depth, kk))
+        for h in range(2):
+            rows = []
+            for r in range(16):
+                j = 16 * h + r
+                mask = b.and_(lanes, splat(b, b.icmp_signed(">", ncols, I64(j)), 16))
+                at = b.gep(w, [b.add(b.mul(b.add(j0, I64(j)), ldw), b.add(k0, kk))], source_etype=F32)
+                rows.append(masked_load(b, at, mask))
+            for q, v in enumerate(_transposed(b, rows)):
+                b.store(v, b.gep(buf, [b.add(b.mul(b.add(kk, I64(q)), I64(2)), I64(h))], source_etype=LANES16))
+    return buf, I64(NR)
+
+
+def _rows(module: ll.Module, name: str, panel_of: Callable) -> None:
+    kernels = {mr: block_kernel(module, name, mr) for mr in range(1, MR + 1)}
+    f = ll.Function(module, ll.FunctionType(VOID, ARGS), name)
+    x, ldx, w, ldw, c, ldc, init, ldi, n, k, lo, hi = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    with b.goto_entry_block():  # a packed panel (16 rows of room past the block, for 16 x 16 steps)
+        buf = b.alloca(LANES16, size=I64((KC + 16) * NR // 16))
+    kc = b.select(b.icmp_signed("<=", k, I64(KC)), k, smaller(b, I64(KC), b.sdiv(k, I64(2))))
+    with counted_loop(b, I64(0), b.sdiv(b.add(k, b.sub(kc, I64(1))), kc)) as p:
+        k0 = b.mul(p, kc)
+        depth = smaller(b, b.sub(k, k0), kc)
+        first = b.icmp_signed("==", p, I64(0))
+        with counted_loop(b, I64(0), n, NR) as j0:
+            ncols = smaller(b, b.sub(n, j0), I64(NR))
+            panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
+            with counted_loop(b, lo, hi, MR) as i:
+                out = at(c, b.add(b.mul(i, ldc), j0))
+                start = b.select(
+                    b.icmp_unsigned("==", init, ll.Constant(PTR, None)), init, at(init, b.add(b.mul(i, ldi), j0))
+                )
+                args = [at(x, b.add(b.mul(i, ldx), k0)), ldx, panel, ldp, depth, out, ldc, ncols]
+                args += [b.select(first, start, out), b.select(first, ldi, ldc)]
+                height = smaller(b, b.sub(hi, i), I64(MR))
+                for mr in range(1, MR + 1):
+                    with b.if_then(b.icmp_signed("==", height, I64(mr))):
+                        b.call(kernels[mr], args)
+    b.ret_void()
+
+
+_BUILDERS = {NAME: _panel_kn, NAME_NK: _panel_nk}
+
+
+def library(kernel: str) -> int:
+    """The kernel's address (jit.kernel: built alone when first needed)."""
+    return jit.kernel(kernel, lambda module: _rows(module, kernel, _BUILDERS[kernel]))
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, linear: bool = False) -> torch.Tensor:
+    """The native kernel, on one thread (for the probe): x [M, K] @ w [K, N] (+ bias [N]), or
+    with `linear` x @ w.T of w [N, K]; x and w with unit column stride."""
+    (m, k), n = x.shape, w.shape[0 if linear else 1]
+    c = torch.empty(m, n)
+    address = library(NAME_NK if linear else NAME)
+    kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64] * 4, *[ctypes.c_int64] * 4)(address)
+    init = (bias.data_ptr(), 0) if bias is not None else (None, 0)
+    kernel(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), c.data_ptr(), n, *init, n, k, 0, m)
+    return c
+
+
+def same(shapes: tuple[tuple[int, int, int], ...], linear: bool = False) -> bool:
+    """Whether the kernel (`linear`: the one for a [N, K] weight) gives ATen's bits here, with
+    the bias and without: on rows of random values and of special values (NaN, infinities,
+    signed zeros, denormals) at K around each boundary of MKL's blocks, and at each (M, K, N) of
+    `shapes` (a program's own GEMMs). Once per process, thread count and shape."""
+    threads = torch.get_num_threads()
+    return _same((), linear, threads) and all(_same((s,), linear, threads) for s in sorted(set(shapes)))
+
+
+@functools.cache
+def _same(shapes: tuple[tuple[int, int, int], ...], linear: bool, threads: int) -> bool:  # threads: in the key
+    gen = torch.Generator().manual_seed(0)
+    if not shapes:
+        shapes = tuple((MIN_ROWS * threads + extra, k, n) for extra, k, n in _PROBE)
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen) * 0.1
+        bias = torch.randn(n, generator=gen)
+        x[0, : min(k, 6)] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38])[: min(k, 6)]
+        x[1] = -0.0
+        if linear:  # linear's weight: [N, K], read along K
+            w = w.t().contiguous()
+            eager = torch.nn.functional.linear(x, w, bias), torch.nn.functional.linear(x, w)
+        else:
+            eager = torch.addmm(bias, x, w), x @ w
+        ours = gemm(x, w, bias, linear), gemm(x, w, None, linear)
+        if not all(jit.same_bits(a, e, nan_payloads=False) for a, e in zip(ours, eager)):
+            return False
+    return True
+
+
+# (rows beyond the minimum, K, N): K across MKL's block boundaries, N across the 32-column panels
+_PROBE = (
+    (0, 2, 17),
+    (1, 7, 32),
+    (5, 33, 33),
+    (17, 128, 64),
+    (0, 192, 31),
+    (3, 193, 40),
+    (9, 383, 16),
+    (0, 384, 65),
+    (2, 385, 16),
+    (40, 768, 96),
+    (1, 1000, 33),
+)
