@@ -305,13 +305,15 @@ def test_own_kernel_matches_mkl_bit_for_bit(rows, k, n, linear, threads):
 
 @pytest.mark.parametrize("bias", ["row", "column", "none"])
 @pytest.mark.parametrize("linear", [False, True], ids=["conv1d", "linear"])
-def test_gemms_of_a_weight_run_braze_kernel(bias, linear, threads):
+@pytest.mark.parametrize("n", [80, 300])
+def test_gemms_of_a_weight_run_braze_kernel(bias, linear, n, threads):
     # GPT-2's Conv1D (addmm(bias, x, W) with W [K, N]) and linear (W [N, K]), with a GELU
-    # epilogue. A bias row is read by the kernel; another bias is copied into the output first,
+    # epilogue; 64 rows split between the threads, or 300 columns (in 32-column panels, the last
+    # narrower). A bias row is read by the kernel; another bias is copied into the output first,
     # as ATen does.
     threads(2)
-    w = torch.randn(96, 80) * 0.1
-    b = {"row": torch.randn(80), "column": torch.randn(64, 1), "none": None}[bias]
+    w = torch.randn(96, n) * 0.1
+    b = {"row": torch.randn(n), "column": torch.randn(64, 1), "none": None}[bias]
     if linear:
         wt = w.t().contiguous()
         fn = (lambda x: F.gelu(F.linear(x, wt) + b)) if bias == "column" else (lambda x: F.gelu(F.linear(x, wt, b)))

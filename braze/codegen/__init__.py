@@ -522,7 +522,8 @@ class ModuleBuilder:
         beta: float,
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
-        untransposed, [N, K] transposed), its rows split between ATen's threads. The output starts as
+        untransposed, [N, K] transposed), its rows or its 32-column panels split between ATen's
+        threads. The output starts as
         the bias row where `bias` is one, else as the copy of the bias into it (beta 1) or
         empty (beta 0)."""
         from .. import gemmkernel  # built on this module's helpers
@@ -531,17 +532,30 @@ class ModuleBuilder:
         fn = self.kernel(gemmkernel, name, gemmkernel.ARGS)
         x, w, c = operands
         m, n, kk = blas["n"], blas["m"], blas["k"]
-        with self._clocked(b), self._ranged(b, table, "own_gemm", m * n * kk, m) as (kb, tbl, lo, hi):
-            out = self.pointer(kb, tbl, c)
+        # Each thread reads all of what it does not split: the weight where rows are split
+        # (packing it too, if [N, K]), the input where columns are. Split the larger (mlp-wide:
+        # 1.09x -> 1.17x eager); a generic program's rows vary: split them.
+        columns = isinstance(m, int) and n > m
+        total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m
+        with self._clocked(b), self._ranged(b, table, "own_gemm", m * n * kk, total) as (kb, tbl, lo, hi):
+            if columns:
+                j0 = kb.mul(lo, I64(gemmkernel.NR))
+                width = kb.sub(smaller(kb, kb.mul(hi, I64(gemmkernel.NR)), I64(n)), j0)
+                rows = (I64(0), I64(m))
+            else:
+                j0, width, rows = I64(0), I64(n), (lo, hi)
+            at = lambda p, i: kb.gep(p, [i], source_etype=F32)  # noqa: E731
+            ld = {d: self.dim(kb, tbl, blas[d]) for d in ("lda", "ldb", "ldc")}
+            out = at(self.pointer(kb, tbl, c), j0)
             if bias is not None:
-                first, ldi = self.pointer(kb, tbl, bias), I64(0)
+                first, ldi = at(self.pointer(kb, tbl, bias), j0), I64(0)
             elif beta:
-                first, ldi = out, self.dim(kb, tbl, blas["ldc"])
+                first, ldi = out, ld["ldc"]
             else:
                 first, ldi = ll.Constant(PTR, None), I64(0)
-            ld = {d: self.dim(kb, tbl, blas[d]) for d in ("lda", "ldb", "ldc")}
-            inputs = [self.pointer(kb, tbl, x), ld["ldb"], self.pointer(kb, tbl, w), ld["lda"]]
-            kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, I64(n), I64(kk), lo, hi])
+            weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
+            inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ld["lda"]]
+            kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
 
     def _one_thread(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> bool | ll.Value:
         """Whether the GEMM runs on one thread: decided when compiling, or, in a generic program,
