@@ -323,17 +323,22 @@ def test_gemms_of_a_weight_run_braze_kernel(bias, linear, n, threads):
     assert _own(compiled)[0] > 0
 
 
-def test_own_kernel_serves_every_row_count_of_a_generic_program(threads):
+@pytest.mark.parametrize("linear", [False, True], ids=["conv1d", "linear"])
+def test_own_kernel_serves_every_row_count_of_a_generic_program(linear, threads):
     # Below 16 rows per MKL thread MKL takes another path: a generic program checks the row count
-    # on each call and calls sgemm_ there.
+    # on each call and calls sgemm_ there. With linear's weight it splits columns between the
+    # threads while there are fewer rows than columns (here up to 79), else rows.
     threads(2)
     w, b = torch.randn(96, 80) * 0.1, torch.randn(80)
+    wt = w.t().contiguous()
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(b, x.view(-1, 96), w).view(*x.shape[:-1], 80)
+        rows = x.view(-1, 96)
+        y = F.linear(rows, wt, b) if linear else torch.addmm(b, rows, w)
+        return y.view(*x.shape[:-1], 80)
 
     compiled = braze.compile(fn)
-    for t in (40, 41, 3, 17, 100, 16, 15, 257, 1):
+    for t in (40, 41, 3, 17, 100, 16, 15, 257, 1, 39):
         check_model(fn, (torch.randn(2, t, 96),), compiled=compiled)
     generic = [i for i, p in enumerate(compiled.programs()) if p.family is not None]
     assert generic and _own(compiled, generic[0])[0] > 0

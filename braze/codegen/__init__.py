@@ -523,39 +523,53 @@ class ModuleBuilder:
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
         untransposed, [N, K] transposed), its rows or its 32-column panels split between ATen's
-        threads. The output starts as
-        the bias row where `bias` is one, else as the copy of the bias into it (beta 1) or
-        empty (beta 0)."""
+        threads. The output starts as the bias row where `bias` is one, else as the copy of the
+        bias into it (beta 1) or empty (beta 0).
+
+        Each thread reads all of what it does not split: the weight where rows are split
+        (and packs all of it, if [N, K]), the input where columns are. So a [N, K] weight's
+        panels are split where there are more columns than rows (mlp-wide: 1.09x -> 1.17x
+        eager; bert-tiny, deciding per call, 1.03-1.06x faster); a [K, N] weight, read in place,
+        splits rows (gpt2-tiny was 4-5% slower with its panels split: each core then reads the
+        rows of the input the other core wrote)."""
         from .. import gemmkernel  # built on this module's helpers
 
         name = gemmkernel.NAME_NK if blas["ta"] else gemmkernel.NAME  # linear's [N, K] weight, or [K, N]
         fn = self.kernel(gemmkernel, name, gemmkernel.ARGS)
         x, w, c = operands
         m, n, kk = blas["n"], blas["m"], blas["k"]
-        # Each thread reads all of what it does not split: the weight where rows are split
-        # (packing it too, if [N, K]), the input where columns are. Split the larger (mlp-wide:
-        # 1.09x -> 1.17x eager); a generic program's rows vary: split them.
-        columns = isinstance(m, int) and n > m
-        total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m
-        with self._clocked(b), self._ranged(b, table, "own_gemm", m * n * kk, total) as (kb, tbl, lo, hi):
-            if columns:
-                j0 = kb.mul(lo, I64(gemmkernel.NR))
-                width = kb.sub(smaller(kb, kb.mul(hi, I64(gemmkernel.NR)), I64(n)), j0)
-                rows = (I64(0), I64(m))
-            else:
-                j0, width, rows = I64(0), I64(n), (lo, hi)
-            at = lambda p, i: kb.gep(p, [i], source_etype=F32)  # noqa: E731
-            ld = {d: self.dim(kb, tbl, blas[d]) for d in ("lda", "ldb", "ldc")}
-            out = at(self.pointer(kb, tbl, c), j0)
-            if bias is not None:
-                first, ldi = at(self.pointer(kb, tbl, bias), j0), I64(0)
-            elif beta:
-                first, ldi = out, ld["ldc"]
-            else:
-                first, ldi = ll.Constant(PTR, None), I64(0)
-            weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
-            inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ld["lda"]]
-            kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
+
+        def split(columns: bool) -> None:
+            total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m
+            with self._ranged(b, table, "own_gemm", m * n * kk, total) as (kb, tbl, lo, hi):
+                if columns:
+                    j0 = kb.mul(lo, I64(gemmkernel.NR))
+                    width = kb.sub(smaller(kb, kb.mul(hi, I64(gemmkernel.NR)), I64(n)), j0)
+                    rows = (I64(0), self.dim(kb, tbl, m))
+                else:
+                    j0, width, rows = I64(0), I64(n), (lo, hi)
+                at = lambda p, i: kb.gep(p, [i], source_etype=F32)  # noqa: E731
+                ld = {d: self.dim(kb, tbl, blas[d]) for d in ("lda", "ldb", "ldc")}
+                out = at(self.pointer(kb, tbl, c), j0)
+                if bias is not None:
+                    first, ldi = at(self.pointer(kb, tbl, bias), j0), I64(0)
+                elif beta:
+                    first, ldi = out, ld["ldc"]
+                else:
+                    first, ldi = ll.Constant(PTR, None), I64(0)
+                weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
+                inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ld["lda"]]
+                kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
+
+        with self._clocked(b):
+            if not blas["ta"] or isinstance(m, int):
+                split(blas["ta"] and isinstance(m, int) and n > m)
+                return
+            with b.if_else(b.icmp_signed("<", self.dim(b, table, m), I64(n))) as (wide, tall):
+                with wide:
+                    split(True)
+                with tall:
+                    split(False)
 
     def _one_thread(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> bool | ll.Value:
         """Whether the GEMM runs on one thread: decided when compiling, or, in a generic program,

@@ -137,9 +137,15 @@ def own_kernel(blas: dict[str, Any], beta: float) -> int:
     rows = max(gemmkernel.MIN_ROWS * jit.mkl_threads(), -(-config.one_thread_gemm_flops // (2 * n * k)))
     if isinstance(m, int) and m < rows:
         return 0
-    # At the program's own K and N, and the fewest rows (MKL's order does not change with more:
-    # same bits at every shape tried up to 8192 rows)
-    return rows if gemmkernel.same(((rows, k, n),), linear=blas["ta"]) else 0
+    # At the program's own K and N: at the fewest rows, and at its own rows (up to a cost: how
+    # MKL splits the work between threads, and so which rows take its other path, depends on
+    # all three sizes; with two threads no split seen up to 8192 rows changed the order)
+    own_rows = m if isinstance(m, int) else 2 * rows
+    probes = {(rows, k, n), (min(own_rows, max(rows, PROBE_MACS // (n * k))), k, n)}
+    return rows if gemmkernel.same(tuple(probes), linear=blas["ta"]) else 0
+
+
+PROBE_MACS = 1 << 26  # the most multiply-adds of a probe at a GEMM's own rows (~10 ms)
 
 
 def _one_thread(blas: dict[str, Any], beta: float) -> bool:
