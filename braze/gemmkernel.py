@@ -19,7 +19,7 @@ kernel only from MIN_ROWS rows per MKL thread, MIN_N columns and MIN_K up.
 
 Per block of K, 32 columns at a time: a [K, N] weight is read in place (the last, narrower
 panel copied into a zero-padded one), a [N, K] one packed into a panel on the stack, 16 x 16
-blocks loaded along K and transposed in registers (each thread packs the panels its rows need:
+blocks loaded along K and transposed in registers (each thread packs the panels it computes:
 no weight is kept between calls, so none can be stale). Then one register-blocked kernel of
 6 rows x 32 columns per 6 rows: 12 AVX-512 accumulators, per k one broadcast of x per row and
 two loads of the panel.

@@ -304,7 +304,7 @@ class Program:
             epoch=guard.epoch,
             epoch_value=guard.epoch_value,
             matmul_precision=matmul_precision() if self._gemms() else -1,
-            mkl_threads=mkl_threads() if self._one_thread_gemms() else -1,
+            mkl_threads=mkl_threads() if self._probed_gemms() else -1,
             mkldnn=1 if self._onednn() else -1,
             outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
@@ -381,10 +381,11 @@ class Program:
         """The BLAS arguments of each native GEMM and batched GEMM."""
         return [k.attrs["blas"] for s in self.segments for k in s.kernels if k.op in (Op.GEMM, Op.BMM)]
 
-    def _one_thread_gemms(self) -> bool:
-        # also braze's own GEMMs: probed at MKL's thread count (on another, MKL's bits may differ)
-        one = lambda k: k.attrs.get("one_thread") or k.attrs.get("one_thread_sizes") or k.attrs.get("own_kernel")  # noqa: E731
-        return any(one(k) for s in self.segments for k in s.kernels)
+    def _probed_gemms(self) -> bool:
+        """Whether a GEMM's call was chosen by a probe at MKL's thread count (on another count,
+        eager's MKL may add in another order): one on one thread, or braze's own kernel."""
+        probed = ("one_thread", "one_thread_sizes", "own_kernel")
+        return any(k.attrs.get(a) for s in self.segments for k in s.kernels for a in probed)
 
     def _onednn(self) -> bool:
         """Whether the program computes what ATen computes through oneDNN only while

@@ -272,7 +272,7 @@ def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
     assert len(seen) == 12 and all(t.dtype == torch.float32 for t in seen)  # 2 alignments x 2 calls
 
 
-# --- braze's own GEMM kernel (gemmkernel.py): MKL's order of operations, X @ W with W [K, N] ---
+# --- braze's own GEMM kernel (gemmkernel.py): MKL's order of operations, X @ W of a weight ---
 
 
 def _own(compiled, program: int = -1) -> list[int]:
@@ -366,3 +366,20 @@ def test_own_kernel_is_a_knob_and_skips_small_gemms(threads):
     assert _own(check_model(lambda x: x @ w[:16, :16], (torch.randn(40, 16),), kernels=1)) == [0]  # < 0.5 MFLOP
     assert _own(check_model(lambda x: x @ big[:, :8], (torch.randn(64, 1024),), kernels=1)) == [0]  # < 16 columns
     assert _own(check_model(lambda x: x @ big[:1], (torch.randn(4096, 1),), kernels=1)) == [0]  # K = 1
+
+
+def test_own_kernel_programs_follow_the_thread_count(threads):
+    # Probed at MKL's thread count: on another one a program that uses the kernel must not run
+    # (MKL may split rows so that some take its other path); a second program compiles, with
+    # its own probe (on three threads here it disagrees: MKL's own path), and the first runs
+    # again back on two threads.
+    threads(2)
+    w = torch.randn(96, 80)
+    compiled = check_model(lambda x: x @ w, (torch.randn(64, 96),), kernels=1)
+    assert _own(compiled)[0] == 35  # 0.5 MFLOP at K 96, N 80
+    threads(3)
+    check_model(lambda x: x @ w, (torch.randn(64, 96),), compiled=compiled)
+    assert len(compiled.programs()) == 2
+    threads(2)
+    check_model(lambda x: x @ w, (torch.randn(64, 96),), compiled=compiled)
+    assert len(compiled.programs()) == 2
