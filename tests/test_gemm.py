@@ -3,6 +3,8 @@ or its own kernel in MKL's order of operations where a probe shows the same bits
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,9 +207,14 @@ def test_a_matmul_precision_set_after_compiling_is_followed(setting):
         assert len(compiled.programs()) == 2  # the first program again, not a third
 
 
-def _one_thread(compiled) -> list[bool]:
-    kernels = [k for s in compiled.programs()[-1].segments for k in s.kernels]
-    return [k.attrs["one_thread"] for k in kernels if k.op.value == "gemm"]
+def _gemm_attr(attr: str, compiled, program: int = -1) -> list:
+    """Attribute `attr` of each GEMM kernel of a compiled wrapper's program (the last: -1)."""
+    kernels = [k for s in compiled.programs()[program].segments for k in s.kernels]
+    return [k.attrs.get(attr, 0) for k in kernels if k.op is Op.GEMM]
+
+
+_one_thread = functools.partial(_gemm_attr, "one_thread")
+_own = functools.partial(_gemm_attr, "own_kernel")  # the fewest rows it runs at; 0: sgemm_
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 33, 257])
@@ -273,11 +280,6 @@ def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
 
 
 # --- braze's own GEMM kernel (gemmkernel.py): MKL's order of operations, X @ W of a weight ---
-
-
-def _own(compiled, program: int = -1) -> list[int]:
-    kernels = [k for s in compiled.programs()[program].segments for k in s.kernels]
-    return [k.attrs.get("own_kernel", 0) for k in kernels if k.op is Op.GEMM]
 
 
 @pytest.mark.parametrize("rows", [32, 33, 257])

@@ -563,7 +563,7 @@ class ModuleBuilder:
 
         with self._clocked(b):
             if not blas["ta"] or isinstance(m, int):
-                split(blas["ta"] and isinstance(m, int) and n > m)
+                split(blas["ta"] and n > m)  # here a [N, K] weight's rows are known
                 return
             with b.if_else(b.icmp_signed("<", self.dim(b, table, m), I64(n))) as (wide, tall):
                 with wide:
