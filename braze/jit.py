@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import math
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -240,6 +241,52 @@ def _sgemm(call: tuple, a: torch.Tensor, b: torch.Tensor, beta: float, c: torch.
     sizes = (i32(m), i32(n), i32(k))
     operands = (ptr(a), i32(lda), ptr(b), i32(ldb), f32(beta), ptr(c), i32(ldc))
     _torch_lib("libtorch_cpu.so").sgemm_(flag(ta), flag(tb), *sizes, f32(1.0), *operands)
+
+
+# Where MKL's generic vmsTanh kernel (mkl_vml_kernel_sTanh_EXHAynn) keeps its polynomials in the
+# libtorch_cpu.so of torch 2.13.0+cpu (known by its GNU build id): 27 rows of 8 doubles, the
+# coefficients of degree 0 to 7, at this file offset (vstanh_data + 0x540; the first loadable
+# segment maps file offsets to the same addresses). braze reads them from the wheel at run time.
+_MKL_TANH_BUILD = "b7066ed94f422786bd205cd2743c2722b5f366fd"
+_MKL_TANH_TABLE = 0x12A3B600
+
+
+@functools.cache
+def mkl_tanh_table() -> list[float] | None:
+    """MKL's tanh coefficients (27 x 8 doubles, row-major) from this wheel's libtorch_cpu.so, or
+    None where the library is not the build whose layout braze knows."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        with open(path, "rb") as f:
+            if _build_id(f) != _MKL_TANH_BUILD:
+                return None
+            f.seek(_MKL_TANH_TABLE)
+            return list(struct.unpack("<216d", f.read(27 * 64)))
+    except (OSError, struct.error):
+        return None
+
+
+def _build_id(f: Any) -> str | None:
+    """The GNU build id of the 64-bit little-endian ELF file f, from its note segments."""
+    head = f.read(64)
+    if head[:6] != b"\x7fELF\x02\x01":
+        return None
+    phoff, phentsize, phnum = struct.unpack_from("<Q", head, 32)[0], *struct.unpack_from("<HH", head, 54)
+    f.seek(phoff)
+    table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _, offset, _, _, size = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if kind != 4:  # PT_NOTE
+            continue
+        f.seek(offset)
+        notes, at = f.read(size), 0
+        while at + 12 <= len(notes):
+            namesz, descsz, note = struct.unpack_from("<III", notes, at)
+            name_end = at + 12 + (namesz + 3) // 4 * 4
+            if note == 3 and notes[at + 12 : at + 12 + namesz] == b"GNU\0":  # NT_GNU_BUILD_ID
+                return notes[name_end : name_end + descsz].hex()
+            at = name_end + (descsz + 3) // 4 * 4
+    return None
 
 
 def vml_same(name: str) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import fast, jit, onednn, sleef
+from .. import fast, jit, onednn, sleef, vml
 from ..ir import Op, TensorMeta
 from . import conv
 from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
@@ -261,7 +261,8 @@ def _vml(name: str) -> Callable[..., Sym]:
     """exp, tanh, erf, log, sin, cos, ... (jit.VML_FUNCTIONS): MKL's vector math function with
     ATen's mode, the function ATen's float32 kernel calls here (on contiguous runs, or on copies
     of strided ones: its results depend on no position, alignment or thread count), where a
-    probe shows ATen gives its bits."""
+    probe shows ATen gives its bits. tanh is an elementwise op (Op.TANH, vml.py's arithmetic)
+    where a probe shows braze reproduces MKL's kernel here."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         no_out(kwargs)
@@ -272,6 +273,8 @@ def _vml(name: str) -> Callable[..., Sym]:
             raise NotNative(f"{name} with a result that is not float32 or has 2**31 elements or more")
         if not jit.vml_same(name):
             raise NotNative(f"a probe found ATen's {name} does not give MKL's {jit.VML_FUNCTIONS[name]} bits here")
+        if name == "tanh" and vml.why_not_tanh() is None:
+            return lw.elementwise(Op.TANH, (x,), out)
         return lw.emit(Op.VML, (x.name,), out, fn=jit.VML_FUNCTIONS[name])
 
     return row

@@ -1,0 +1,74 @@
+"""MKL's vector math (VML) arithmetic that braze reproduces: tanh.
+
+ATen's float32 tanh calls MKL's vmsTanh (high accuracy, denormals kept). On this AMD CPU MKL
+runs its generic kernel (`EX`, SSE2): per element a degree-7 polynomial in double picked by the
+input's bits, from a table inside libtorch_cpu.so (jit.mkl_tanh_table). An element's bits depend
+on no neighbour, position or thread, so braze computes it in its elementwise loops (Op.TANH),
+fused with what comes before and after (GPT-2's tanh GELU), where a probe shows it gives MKL's
+bits here. Elsewhere (another MKL kernel, as MKL's AVX-512 one on Intel CPUs, or another wheel)
+programs call vmsTanh, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import llvmlite.ir as ll
+import torch
+
+from . import jit
+from .codegen import F32, I64, PTR, VOID, WIDTH, counted_loop, mkl_tanh
+
+KERNEL = "braze_vml_tanh"
+
+
+def _write(module: ll.Module) -> None:
+    """(x, y, n): y = tanh(x) over n floats, WIDTH at a time, then one at a time: the two widths
+    braze's loops compute it at."""
+    f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), KERNEL)
+    x, y, n = f.args
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    vector = ll.VectorType(F32, WIDTH)
+    body_end = b.and_(n, I64(-WIDTH))
+    with counted_loop(b, I64(0), body_end, WIDTH) as i:
+        b.store(mkl_tanh(b, b.load(at(x, i), typ=vector, align=4)), at(y, i), align=4)
+    with counted_loop(b, body_end, n) as i:
+        b.store(mkl_tanh(b, b.load(at(x, i), typ=F32)), at(y, i))
+    b.ret_void()
+
+
+def run(x: torch.Tensor) -> torch.Tensor:
+    """braze's tanh of a contiguous float32 tensor (for the probe and tests)."""
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(jit.kernel(KERNEL, _write))
+    y = torch.empty_like(x)
+    kernel(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+@functools.cache
+def why_not_tanh() -> str | None:
+    """None where braze's tanh gives ATen's bits here, else why programs call vmsTanh."""
+    if jit.mkl_tanh_table() is None:
+        return "libtorch_cpu.so is not the build whose MKL tanh table braze reads: vmsTanh called"
+    if not jit.vml_same("tanh"):
+        return "a probe found ATen's tanh does not give vmsTanh's bits here"
+    if not _same():
+        return "a probe found MKL runs another tanh kernel here (braze reproduces its generic one): vmsTanh called"
+    return None
+
+
+def _same() -> bool:
+    """Every polynomial's interval (each quarter binade from the first to the bound, at its ends
+    and inside), the denormals, special values, N(0, s) at five scales; lengths around the
+    vector width. Once per process (VML's bits depend on no thread count)."""
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.arange(0x3DE00000, 0x41600000, 1 << 21, dtype=torch.int64)
+    edges = torch.cat([edges, edges - 1, edges + 1, torch.randint(0, 0x7F800000, (4096,), generator=gen)])
+    edges = edges.to(torch.int32).view(torch.float32)
+    special = [0.0, -0.0, 1e-45, -1e-40, 1e-30, 3e38, -3e38, float("inf"), -float("inf"), float("nan")]
+    normal = torch.randn(5, 20000, generator=gen) * torch.tensor([0.01, 0.3, 1.0, 3.0, 10.0]).view(5, 1)
+    x = torch.cat([edges, -edges, torch.tensor(special), normal.view(-1)])
+    x = x[torch.randperm(x.numel(), generator=gen)]
+    return all(jit.same_bits(run(x[:n]), torch.tanh(x[:n])) for n in (1, 7, 8, 9, 17, 33, x.numel()))
