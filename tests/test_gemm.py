@@ -4,6 +4,7 @@ or its own kernel in MKL's order of operations where a probe shows the same bits
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -344,6 +345,39 @@ def test_own_kernel_serves_every_row_count_of_a_generic_program(linear, threads)
         check_model(fn, (torch.randn(2, t, 96),), compiled=compiled)
     generic = [i for i, p in enumerate(compiled.programs()) if p.family is not None]
     assert generic and _own(compiled, generic[0])[0] > 0
+
+
+def _epilogue_with_rows(fn, *inputs) -> bool:
+    """Whether the program's own-kernel GEMM calls its epilogue's loop itself (on each thread's
+    rows), rather than the epilogue running as a pass of its own."""
+    ir = braze.explain(fn, *inputs).sections["LLVM IR"]
+    gemm = re.search(r'define internal void @"own_gemm\d*"\(.*?\n}\n', ir, re.S)
+    return bool(gemm and re.search(r'call void @"loop\d+"', gemm.group(0)))
+
+
+@pytest.mark.parametrize("tokens", [33, 64, 257])
+def test_epilogue_runs_on_each_threads_rows_right_after_them(tokens, threads):
+    # A [K, N] weight splits the product's rows between the threads; each thread takes its rows
+    # through the epilogue (tanh, a residual add) as soon as the kernel has them. A positional
+    # term [T, N] makes the epilogue's loops [B, T * N], which do not follow the product's rows:
+    # there it is a pass of its own. A generic program does the same at every size.
+    threads(2)
+    w, b, pos = torch.randn(96, 80) * 0.1, torch.randn(80), torch.randn(tokens, 80)
+
+    def fused(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.addmm(b, x.reshape(-1, 96), w).view(*x.shape[:-1], 80)) + r
+
+    def apart(x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(b, x.reshape(-1, 96), w).view(*x.shape[:-1], 80) + pos
+
+    x, r = torch.randn(2, tokens, 96), torch.randn(2, tokens, 80)
+    check_model(fused, (x, r), kernels=1, externs=0)
+    check_model(apart, (x,), kernels=1, externs=0)
+    assert _epilogue_with_rows(fused, x, r) and not _epilogue_with_rows(apart, x)
+    compiled = braze.compile(fused)
+    for t in (tokens, tokens + 1, 40, 100, 17):
+        check_model(fused, (torch.randn(2, t, 96), torch.randn(2, t, 80)), compiled=compiled)
+    assert any(p.family is not None for p in compiled.programs())
 
 
 def test_own_kernel_falls_back_to_sgemm_where_its_probe_disagrees(threads, monkeypatch):

@@ -28,7 +28,7 @@ import torch
 
 from .. import jit
 from ..dims import Dim, Expr
-from ..ir import Node, Op, TensorMeta
+from ..ir import Node, Op, TensorMeta, contiguous_strides
 from .loops import (
     F32,
     I1,
@@ -249,6 +249,14 @@ class ModuleBuilder:
         """Emit `body` over `shape_meta.shape`, storing the last value at `out`."""
         if shape_meta.numel == 0:
             return
+        kern, loops = self._loop_function(shape_meta, out, body, override)
+        self._split(b, table, kern, shape_meta.numel, loops[0].size if loops else 1)
+
+    def _loop_function(
+        self, shape_meta: TensorMeta, out: Access, body: tuple[Node, ...], override: dict[str, Access]
+    ) -> tuple[ll.Function, list]:
+        """`body`'s loop nest as a function (table, lo, hi) of its outermost loop's range, and the
+        loops (outer to inner)."""
         inner = {n.name for n in body}
         names = dict.fromkeys(i for n in body for i in n.value_inputs() if i not in inner)
         operands = {i: override.get(i) or self.slot_of(i) for i in names}
@@ -280,7 +288,7 @@ class ModuleBuilder:
         emitter = _BodyEmitter(body, accesses, loops, operands, out.meta.dtype == torch.bool)
         _nest(kb, sizes, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
-        self._split(b, table, kern, shape_meta.numel, loops[0].size if loops else 1)
+        return kern, loops
 
     def _split(self, b: ll.IRBuilder, table: ll.Value, kern: ll.Function, numel: Dim, total: Dim) -> None:
         """Run kern(table, lo, hi) over [0, total): on ATen's threads from `numel` elements up,
@@ -497,22 +505,48 @@ class ModuleBuilder:
             self._loop_kernel(b, table, gemm_meta, c, (copy,), {})
         operands = (self.slot_of(m1), self.slot_of(m2), c)
         sgemm = lambda: self._sgemm_call(b, table, blas, *operands, k.attrs["beta"], self._one_thread(b, table, k))  # noqa: E731
+        epilogue = self._epilogue(k) if k.body else None
+
+        def separately() -> None:  # the epilogue as a pass of its own, after the product
+            if epilogue is not None:
+                self._split(b, table, epilogue[0], k.meta.numel, epilogue[1])
+
         if own and isinstance(blas["n"], int):
-            self._own_gemm(b, table, blas, operands, self.slot_of(bias) if row else None, k.attrs["beta"])
+            bias_row = self.slot_of(bias) if row else None
+            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.meta.numel)
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
-                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"])
+                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"], epilogue, k.meta.numel)
                 with mkl:
                     sgemm()
-        elif blas["k"] > 0:
-            sgemm()
-        elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
-            zero = Node(k.name, Op.MUL, (0.0, 0.0), gemm_meta)
-            self._loop_kernel(b, table, gemm_meta, c, (zero,), {})
-        if k.body:
-            acc = Access(slot, k.attrs["acc_meta"])
-            self._loop_kernel(b, table, k.meta, acc, k.body, {k.attrs["acc"]: acc})
+                    separately()
+        else:
+            if blas["k"] > 0:
+                sgemm()
+            elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
+                zero = Node(k.name, Op.MUL, (0.0, 0.0), gemm_meta)
+                self._loop_kernel(b, table, gemm_meta, c, (zero,), {})
+            separately()
+
+    def _epilogue(self, k: Node) -> tuple[ll.Function, Dim, Dim | None] | None:
+        """A GEMM's epilogue loop (table, lo, hi), its outermost loop's extent, and how many of
+        its outermost steps one row of the product is, where its rows are the product's rows
+        in order (both dense, row-major), else None: then it cannot run with a thread's rows."""
+        if k.meta.numel == 0:
+            return None
+        acc = Access(self.slot_of(k.name).slot, k.attrs["acc_meta"])
+        kern, loops = self._loop_function(k.meta, acc, k.body, {k.attrs["acc"]: acc})
+        total = loops[0].size if loops else 1
+        n = k.meta.shape[-1]
+        same = acc.meta.shape == k.meta.shape
+        dense = same and all(m.stride == contiguous_strides(m.shape) for m in (k.meta, acc.meta))
+        step = None
+        if dense and len(loops) == 1:
+            step = n  # one flat loop over the elements
+        elif dense and len(loops) == 2 and loops[1].size == n:
+            step = 1  # rows, then the columns
+        return kern, total, step
 
     def _own_gemm(
         self,
@@ -522,11 +556,15 @@ class ModuleBuilder:
         operands: tuple[Access, Access, Access],
         bias: Access | None,
         beta: float,
+        epilogue: tuple[ll.Function, Dim, Dim | None] | None,
+        epilogue_numel: Dim,
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
         untransposed, [N, K] transposed), its rows or its 32-column panels split between ATen's
         threads. The output starts as the bias row where `bias` is one, else as the copy of the
-        bias into it (beta 1) or empty (beta 0).
+        bias into it (beta 1) or empty (beta 0). An epilogue (_epilogue) runs on each thread's
+        rows right after them, while they are in its cache, where rows are split and its loop
+        follows them; otherwise as a pass of its own after the product.
 
         Each thread reads all of what it does not split: the weight where rows are split
         (and packs all of it, if [N, K]), the input where columns are. So a [N, K] weight's
@@ -542,6 +580,7 @@ class ModuleBuilder:
         m, n, kk = blas["n"], blas["m"], blas["k"]
 
         def split(columns: bool) -> None:
+            with_rows = epilogue is not None and epilogue[2] is not None and not columns
             total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m
             with self._ranged(b, table, "own_gemm", m * n * kk, total) as (kb, tbl, lo, hi):
                 if columns:
@@ -562,6 +601,11 @@ class ModuleBuilder:
                 weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
                 inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ld["lda"]]
                 kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
+                if with_rows:  # (inside the BLAS clock of a clocked build: it cannot be told apart)
+                    step = I64(epilogue[2]) if isinstance(epilogue[2], int) else self.dim(kb, tbl, epilogue[2])
+                    kb.call(epilogue[0], [tbl, kb.mul(lo, step), kb.mul(hi, step)])
+            if epilogue is not None and not with_rows:
+                self._split(b, table, epilogue[0], epilogue_numel, epilogue[1])
 
         with self._clocked(b):
             if not blas["ta"] or isinstance(m, int):
