@@ -380,6 +380,26 @@ def test_epilogue_runs_on_each_threads_rows_right_after_them(tokens, threads):
     assert any(p.family is not None for p in compiled.programs())
 
 
+@pytest.mark.parametrize("depth,with_rows", [(64, True), (256, False)])
+def test_linear_with_an_epilogue_splits_rows_while_k_is_at_most_the_rows(depth, with_rows, threads):
+    # linear's [N, K] weight with more columns than rows would split its panels; with an epilogue
+    # that follows the rows it splits rows while K <= M (each thread packs all of the weight, and
+    # the epilogue runs on its rows). Also per call in a generic program.
+    threads(2)
+    wt, b = torch.randn(300, depth) * 0.1, torch.randn(300)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(F.linear(x, wt, b))
+
+    x = torch.randn(128, depth)
+    check_model(fn, (x,), kernels=1, externs=0)
+    assert _epilogue_with_rows(fn, x) is with_rows
+    compiled = braze.compile(fn)
+    for rows in (128, 129, 40, 300, 63, 64, 65):
+        check_model(fn, (torch.randn(rows, depth),), compiled=compiled)
+    assert any(p.family is not None for p in compiled.programs())
+
+
 def test_own_kernel_falls_back_to_sgemm_where_its_probe_disagrees(threads, monkeypatch):
     from braze import gemmkernel
 
