@@ -381,9 +381,9 @@ def test_epilogue_runs_on_each_threads_rows_right_after_them(tokens, threads):
 
 
 @pytest.mark.parametrize("depth,with_rows", [(64, True), (256, False)])
-def test_linear_with_an_epilogue_splits_rows_while_k_is_at_most_the_rows(depth, with_rows, threads):
+def test_linear_with_an_epilogue_splits_rows_while_k_is_at_most_half_the_rows(depth, with_rows, threads):
     # linear's [N, K] weight with more columns than rows would split its panels; with an epilogue
-    # that follows the rows it splits rows while K <= M (each thread packs all of the weight, and
+    # that follows the rows it splits rows while 2 K <= M (each thread packs all of the weight, and
     # the epilogue runs on its rows). Also per call in a generic program.
     threads(2)
     wt, b = torch.randn(300, depth) * 0.1, torch.randn(300)
