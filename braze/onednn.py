@@ -10,41 +10,20 @@ gives ATen's bits here. Other inputs take ATen's own kernel (an erf of Sleef's e
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
-import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I64, PTR, VOID, WIDTH, counted_loop, gelu_erf
+from .codegen import gelu_erf, run_elementwise
 from .sleef import other_capability
 
 KERNEL = "braze_onednn_gelu"
 
 
-def _write(module: ll.Module) -> None:
-    """(x, y, n): y = gelu(x) over n floats, WIDTH at a time, then one at a time: the two widths
-    braze's loops compute it at."""
-    f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), KERNEL)
-    x, y, n = f.args
-    b = ll.IRBuilder(f.append_basic_block("entry"))
-    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
-    vector = ll.VectorType(F32, WIDTH)
-    body_end = b.and_(n, I64(-WIDTH))
-    with counted_loop(b, I64(0), body_end, WIDTH) as i:
-        b.store(gelu_erf(b, b.load(at(x, i), typ=vector, align=4)), at(y, i), align=4)
-    with counted_loop(b, body_end, n) as i:
-        b.store(gelu_erf(b, b.load(at(x, i), typ=F32)), at(y, i))
-    b.ret_void()
-
-
 def run(x: torch.Tensor) -> torch.Tensor:
     """braze's gelu of a contiguous float32 tensor (for the probe and tests)."""
-    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(jit.kernel(KERNEL, _write))
-    y = torch.empty_like(x)
-    kernel(x.data_ptr(), y.data_ptr(), x.numel())
-    return y
+    return run_elementwise(KERNEL, gelu_erf, x)
 
 
 def why_not_gelu() -> str | None:

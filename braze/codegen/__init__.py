@@ -18,6 +18,7 @@ same order, so results are bit-identical to eager.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from .loops import (
     VOID,
     WIDTH,
     Access,
+    Element,
     _BodyEmitter,
     _bstrides,
     _loop_dims,
@@ -82,6 +84,7 @@ __all__ = [
     "masked_load",
     "masked_store",
     "mkl_tanh",
+    "run_elementwise",
     "smaller",
     "splat",
     "split_between_threads",
@@ -92,6 +95,29 @@ __all__ = [
 class Segment:
     name: str
     kernels: list[Node]
+
+
+def run_elementwise(name: str, element: Element, x: torch.Tensor) -> torch.Tensor:
+    """element (a per-lane function: gelu_erf, mkl_tanh) over a contiguous float32 tensor, WIDTH
+    lanes at a time, then one at a time (the two widths braze's loops compute it at), by the
+    kernel `name`, built once per process: for the probes and tests of such functions."""
+
+    def write(module: ll.Module) -> None:
+        f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), name)
+        src, dst, n = f.args
+        b = ll.IRBuilder(f.append_basic_block("entry"))
+        at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+        body_end = b.and_(n, I64(-WIDTH))
+        with counted_loop(b, I64(0), body_end, WIDTH) as i:
+            b.store(element(b, b.load(at(src, i), typ=ll.VectorType(F32, WIDTH), align=4)), at(dst, i), align=4)
+        with counted_loop(b, body_end, n) as i:
+            b.store(element(b, b.load(at(src, i), typ=F32)), at(dst, i))
+        b.ret_void()
+
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(jit.kernel(name, write))
+    y = torch.empty_like(x)
+    kernel(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
 
 
 class ModuleBuilder:

@@ -398,18 +398,26 @@ GELU_ERF_TABLE = [
 GELU_ERF_BOUND = 0x40B15CEE  # the bits of the |x| beyond which erf(x / sqrt 2) is 1 (entry 23)
 
 
-def gelu_erf(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
-    """A call of the module's gelu function for x's width (_gelu_erf), defined on first use: a
-    loop written out in full calls it at every step, where its ~40 operations inline made
-    ConvNeXt-atto's code take 0.5 s more to generate."""
-    name = f"braze_gelu_erf_{x.type.count if isinstance(x.type, ll.VectorType) else 1}"
+Element = Callable[[ll.IRBuilder, ll.Value], ll.Value]  # a per-lane function of one float or a vector
+
+
+def per_width(b: ll.IRBuilder, x: ll.Value, name: str, element: Element) -> ll.Value:
+    """A call of the module's function `name`_<x's width> computing element(x), defined on first
+    use: a loop written out in full calls it at every step, where the ~40 operations of the
+    exact GELU inline made ConvNeXt-atto's code take 0.5 s more to generate."""
+    name = f"{name}_{x.type.count if isinstance(x.type, ll.VectorType) else 1}"
     fn = b.module.globals.get(name)
     if fn is None:
         fn = ll.Function(b.module, ll.FunctionType(x.type, [x.type]), name)
         fn.linkage = "internal"
         body = ll.IRBuilder(fn.append_basic_block("entry"))
-        body.ret(_gelu_erf(body, fn.args[0]))
+        body.ret(element(body, fn.args[0]))
     return b.call(fn, [x])
+
+
+def gelu_erf(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
+    """gelu's erf form of x, as oneDNN computes it (_gelu_erf), through per_width."""
+    return per_width(b, x, "braze_gelu_erf", _gelu_erf)
 
 
 def _gelu_erf(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
@@ -446,16 +454,9 @@ F64 = ll.DoubleType()
 
 
 def mkl_tanh(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
-    """A call of the module's tanh function for x's width (_mkl_tanh on MKL's coefficients,
-    jit.mkl_tanh_table: used only where they were read), defined on first use, as gelu_erf."""
-    name = f"braze_mkl_tanh_{x.type.count if isinstance(x.type, ll.VectorType) else 1}"
-    fn = b.module.globals.get(name)
-    if fn is None:
-        fn = ll.Function(b.module, ll.FunctionType(x.type, [x.type]), name)
-        fn.linkage = "internal"
-        body = ll.IRBuilder(fn.append_basic_block("entry"))
-        body.ret(_mkl_tanh(body, fn.args[0], jit.mkl_tanh_table()))
-    return b.call(fn, [x])
+    """tanh of x as MKL's generic kernel computes it (_mkl_tanh on MKL's coefficients,
+    jit.mkl_tanh_table: used only where they were read), through per_width."""
+    return per_width(b, x, "braze_mkl_tanh", lambda body, v: _mkl_tanh(body, v, jit.mkl_tanh_table()))
 
 
 def _mkl_tanh(b: ll.IRBuilder, x: ll.Value, table: list[float]) -> ll.Value:
@@ -498,11 +499,11 @@ def _pick_double(b: ll.IRBuilder, column: list[float], index: ll.Value) -> ll.Va
         array.initializer, array.global_constant, array.linkage = ll.Constant(ty, column), True, "internal"
         return b.load(b.gep(array, [I64(0), b.zext(index, I64)], source_etype=ty), typ=F64)
     width, v8, i8 = index.type.count, ll.VectorType(F64, 8), ll.VectorType(I64, 8)
+    if width > 8:
+        raise ValueError(f"{width} lanes: _pick_double picks up to 8")
     permute = declared(b.module, "llvm.x86.avx512.vpermi2var.pd.512", v8, [v8, i8, v8])
     padded = column + [0.0] * (32 - len(column))
     quarters = [ll.Constant(v8, padded[i : i + 8]) for i in range(0, 32, 8)]
-    if width > 8:
-        raise ValueError(f"{width} lanes: _pick_double picks up to 8")
     idx = b.zext(b.shuffle_vector(index, index, ll.Constant(ll.VectorType(I32, 8), [i % width for i in range(8)])), i8)
     low, high = (b.call(permute, [quarters[i], idx, quarters[i + 1]]) for i in (0, 2))
     picked = b.select(b.icmp_unsigned("<", idx, ll.Constant(i8, [16] * 8)), low, high)
