@@ -50,6 +50,7 @@ from .jit import (
     MKL_THREADS,
     MKLDNN,
     MKLDNN_ENABLED,
+    MXCSR_FLUSH,
     REQUIRES_GRAD,
     TENSOR_OFFSET,
     TLS_GUARD,
@@ -392,6 +393,7 @@ class _Runtime:
         require(b.icmp_signed("==", b.load(f("epoch", PTR), typ=I64), f("epoch_value")))
         self._check_consts(b, d, args, require)
         self._check_dispatch_state(b, d, require)
+        require(self._denormals_kept(b))
         grad_mode = b.call(self.mb.declare("aoti_torch_grad_mode_is_enabled", I1, []), [])
         with counted_loop(b, I64(0), f("n_symbols")) as i:
             sym = self.record(b, d, "symbols", i, SYMBOL_WORDS)
@@ -536,6 +538,16 @@ class _Runtime:
             want = self.field(b, d, field)
             with b.if_then(b.icmp_signed(">=", want, I64(0))):
                 require(b.icmp_signed("==", b.sext(read(), I64), want))
+
+    def _denormals_kept(self, b: ll.IRBuilder) -> ll.Value:
+        """Whether this thread's MXCSR keeps denormals (no flush to zero, no denormals as zero:
+        torch.set_flush_denormal(False)). With them flushed, eager's ops that set their own
+        (MKL's vector math keeps denormals) and those that do not disagree with braze's fused
+        loops: the call runs eagerly (signatures.unusual_state)."""
+        word = self._alloca(b, I32)
+        b.call(self.mb.declare("llvm.x86.sse.stmxcsr", VOID, [PTR]), [word])
+        flushing = b.and_(b.load(word, typ=I32), I32(MXCSR_FLUSH))
+        return b.icmp_unsigned("==", flushing, I32(0))
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or

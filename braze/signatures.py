@@ -43,6 +43,8 @@ def unusual_state() -> str:
         return "a Python dispatch or torch-function mode"
     if not _within(torch._C._dispatch_tls_local_include_set(), _DEFAULT_INCLUDED):
         return "a functorch transform (vmap, grad, functionalize) or another dispatch override"
+    if jit.flushes_denormals():
+        return "flushing denormals to zero (torch.set_flush_denormal(True))"
     return ""
 
 

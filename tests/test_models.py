@@ -249,6 +249,31 @@ def test_autocast_runs_eagerly_in_its_dtype():
     assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_flushing_denormals_runs_eagerly(n, threads):
+    # torch.set_flush_denormal(True) sets the calling thread's MXCSR: eager's MKL tanh keeps
+    # denormals (it sets its own), its other ops flush them; braze's loops (its tanh fused with
+    # them) cannot follow both. The native entry refuses such a thread; the call runs eagerly,
+    # and natively again after.
+    threads(n)
+    x = torch.tensor([1e-39, -2e-40, 3e-38, 1e-45, 0.5, 1e-20] * 8)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(t)
+
+    compiled = check_model(fn, (x,), kernels=1)
+    torch.set_flush_denormal(True)
+    try:
+        with pytest.warns(braze.BrazeWarning, match="flush"):
+            out = compiled(x)
+        expected = fn(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    check_model(fn, (x,), compiled=compiled, kernels=1)
+    assert len(compiled.programs()) == 1
+
+
 def test_lazily_negated_inputs_are_read_as_their_values():
     model = lesson()
     compiled = braze.compile(model)
