@@ -5,6 +5,7 @@ entry.py)."""
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -480,8 +481,11 @@ def _mkl_tanh(b: ll.IRBuilder, x: ll.Value, table: list[float]) -> ll.Value:
     index = b.select(b.icmp_signed(">", masked, i32(0x41200000)), i32(26), index)
     a = b.fpext(b.bitcast(b.and_(bits, i32(0x7FFFFFFF)), x.type), vec(F64))
     column = lambda k: [table[8 * row + k] for row in range(len(table) // 8)]  # noqa: E731
-    p = _pick_double(b, column(7), index)
-    for k in range(6, -1, -1):
+    # With every degree-7 coefficient 0 (this wheel's table) the first step, 0 * |x| + c6, is c6
+    # itself (|x| finite here; where it is not the result is special's) unless c6 is -0.
+    top = 6 if not any(column(7)) and not any(math.copysign(1.0, c) < 0 and c == 0 for c in column(6)) else 7
+    p = _pick_double(b, column(top), index)
+    for k in range(top - 1, -1, -1):
         p = b.fadd(b.fmul(p, a), _pick_double(b, column(k), index))
     p = b.bitcast(b.or_(b.bitcast(b.fptrunc(p, x.type), vec(I32)), b.and_(bits, i32(-(2**31)))), x.type)
     one = b.select(b.icmp_signed("<", bits, i32(0)), const(F32, -1.0), const(F32, 1.0))
