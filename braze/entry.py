@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -320,10 +321,21 @@ def ensure_runtime() -> bool:
             return False
         mb = ModuleBuilder("braze_rt", lambda name: None, 0)  # type: ignore[arg-type,return-value]
         _Runtime(mb).emit()
-        names = ["braze_entry", "braze_body"]
+        names = ["braze_entry", "braze_body", "braze_mxcsr"]
         _runtime.update(compile_module(str(mb.module), names, 0, False).addresses)
         define_symbols(_runtime)
         return True
+
+
+@functools.cache
+def _mxcsr() -> Callable[[], int]:
+    ensure_runtime()
+    return ctypes.CFUNCTYPE(ctypes.c_uint32)(_runtime["braze_mxcsr"])
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread's MXCSR flushes denormals (torch.set_flush_denormal(True))."""
+    return bool(_mxcsr()() & MXCSR_FLUSH)
 
 
 class _Callee:
@@ -353,6 +365,9 @@ class _Runtime:
         run = self._run()
         self._body(run)
         self._entry(run)
+        mxcsr = ll.Function(self.mb.module, ll.FunctionType(I32, []), "braze_mxcsr")
+        b = ll.IRBuilder(mxcsr.append_basic_block("entry"))
+        b.ret(self._mxcsr(b))
 
     # --- reading the descriptor --------------------------------------------------------------
     @staticmethod
@@ -544,10 +559,14 @@ class _Runtime:
         torch.set_flush_denormal(False)). With them flushed, eager's ops that set their own
         (MKL's vector math keeps denormals) and those that do not disagree with braze's fused
         loops: the call runs eagerly (signatures.unusual_state)."""
+        flushing = b.and_(self._mxcsr(b), I32(MXCSR_FLUSH))
+        return b.icmp_unsigned("==", flushing, I32(0))
+
+    def _mxcsr(self, b: ll.IRBuilder) -> ll.Value:
+        """This thread's MXCSR."""
         word = self._alloca(b, I32)
         b.call(self.mb.declare("llvm.x86.sse.stmxcsr", VOID, [PTR]), [word])
-        flushing = b.and_(b.load(word, typ=I32), I32(MXCSR_FLUSH))
-        return b.icmp_unsigned("==", flushing, I32(0))
+        return b.load(word, typ=I32)
 
     def _check_dispatch_state(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """This thread's dispatch state is as compiled: no dispatch mode, functorch transform or

@@ -292,22 +292,6 @@ def _build_id(f: Any) -> str | None:
 MXCSR_FLUSH = 0x8040  # MXCSR's flush-to-zero and denormals-are-zero bits
 
 
-def flushes_denormals() -> bool:
-    """Whether this thread's MXCSR flushes denormals (torch.set_flush_denormal(True)), read by a
-    one-instruction native function."""
-
-    def write(module: ll.Module) -> None:
-        f = ll.Function(module, ll.FunctionType(ll.IntType(32), []), "braze_mxcsr")
-        b = ll.IRBuilder(f.append_basic_block("entry"))
-        word = b.alloca(ll.IntType(32))
-        stmxcsr = ll.Function(module, ll.FunctionType(ll.VoidType(), [ll.PointerType()]), "llvm.x86.sse.stmxcsr")
-        b.call(stmxcsr, [word])
-        b.ret(b.load(word))
-
-    read = ctypes.CFUNCTYPE(ctypes.c_uint32)(kernel("braze_mxcsr", write))
-    return bool(read() & MXCSR_FLUSH)
-
-
 def vml_same(name: str) -> bool:
     """Whether ATen's float32 `name` (a key of VML_FUNCTIONS) gives here what its VML function
     gives with ATen's mode, on special values, subnormals, 77 decades of magnitudes, odd lengths,

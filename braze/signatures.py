@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import jit
+from . import entry, jit
 from .ir import contiguous_strides
 from .lowering.generic import NO_LIMIT, Family, Place
 from .runtime import Program
@@ -43,7 +43,7 @@ def unusual_state() -> str:
         return "a Python dispatch or torch-function mode"
     if not _within(torch._C._dispatch_tls_local_include_set(), _DEFAULT_INCLUDED):
         return "a functorch transform (vmap, grad, functionalize) or another dispatch override"
-    if jit.flushes_denormals():
+    if entry.flushes_denormals():
         return "flushing denormals to zero (torch.set_flush_denormal(True))"
     return ""
 
