@@ -51,7 +51,6 @@ from .jit import (
     MKL_THREADS,
     MKLDNN,
     MKLDNN_ENABLED,
-    MXCSR_FLUSH,
     REQUIRES_GRAD,
     TENSOR_OFFSET,
     TLS_GUARD,
@@ -310,6 +309,7 @@ def emit_trampolines(mb: ModuleBuilder) -> str:
 
 _lock = threading.Lock()
 _runtime: dict[str, int] = {}
+MXCSR_FLUSH = 0x8040  # MXCSR's flush-to-zero and denormals-are-zero bits
 
 
 def ensure_runtime() -> bool:

@@ -289,9 +289,6 @@ def _build_id(f: Any) -> str | None:
     return None
 
 
-MXCSR_FLUSH = 0x8040  # MXCSR's flush-to-zero and denormals-are-zero bits
-
-
 def vml_same(name: str) -> bool:
     """Whether ATen's float32 `name` (a key of VML_FUNCTIONS) gives here what its VML function
     gives with ATen's mode, on special values, subnormals, 77 decades of magnitudes, odd lengths,

@@ -22,7 +22,7 @@ import ctypes
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import llvmlite.ir as ll
 import torch
@@ -118,6 +118,18 @@ def run_elementwise(name: str, element: Element, x: torch.Tensor) -> torch.Tenso
     y = torch.empty_like(x)
     kernel(x.data_ptr(), y.data_ptr(), x.numel())
     return y
+
+
+class Epilogue(NamedTuple):
+    """A GEMM's epilogue: its loop (table, lo, hi) over `numel` elements, its outermost loop's
+    extent, and how many of its outermost steps one row of the product is where its rows are
+    the product's rows in order (both dense, row-major), else None: then it cannot run with a
+    thread's rows."""
+
+    loop: ll.Function
+    numel: Dim
+    total: Dim
+    row_step: Dim | None
 
 
 class ModuleBuilder:
@@ -532,33 +544,26 @@ class ModuleBuilder:
         operands = (self.slot_of(m1), self.slot_of(m2), c)
         sgemm = lambda: self._sgemm_call(b, table, blas, *operands, k.attrs["beta"], self._one_thread(b, table, k))  # noqa: E731
         epilogue = self._epilogue(k) if k.body else None
-
-        def separately() -> None:  # the epilogue as a pass of its own, after the product
-            if epilogue is not None:
-                self._split(b, table, epilogue[0], k.meta.numel, epilogue[1])
-
         if own and isinstance(blas["n"], int):
             bias_row = self.slot_of(bias) if row else None
-            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.meta.numel)
+            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue)
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
-                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"], epilogue, k.meta.numel)
+                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"], epilogue)
                 with mkl:
                     sgemm()
-                    separately()
+                    self._epilogue_pass(b, table, epilogue)
         else:
             if blas["k"] > 0:
                 sgemm()
             elif bias is None:  # K == 0 with beta == 0: ATen zero-fills
                 zero = Node(k.name, Op.MUL, (0.0, 0.0), gemm_meta)
                 self._loop_kernel(b, table, gemm_meta, c, (zero,), {})
-            separately()
+            self._epilogue_pass(b, table, epilogue)
 
-    def _epilogue(self, k: Node) -> tuple[ll.Function, Dim, Dim | None] | None:
-        """A GEMM's epilogue loop (table, lo, hi), its outermost loop's extent, and how many of
-        its outermost steps one row of the product is, where its rows are the product's rows
-        in order (both dense, row-major), else None: then it cannot run with a thread's rows."""
+    def _epilogue(self, k: Node) -> Epilogue | None:
+        """A GEMM's epilogue as a loop (none over no elements)."""
         if k.meta.numel == 0:
             return None
         acc = Access(self.slot_of(k.name).slot, k.attrs["acc_meta"])
@@ -572,7 +577,12 @@ class ModuleBuilder:
             step = n  # one flat loop over the elements
         elif dense and len(loops) == 2 and loops[1].size == n:
             step = 1  # rows, then the columns
-        return kern, total, step
+        return Epilogue(kern, k.meta.numel, total, step)
+
+    def _epilogue_pass(self, b: ll.IRBuilder, table: ll.Value, epilogue: Epilogue | None) -> None:
+        """The epilogue as a pass of its own over the product, split as loops are."""
+        if epilogue is not None:
+            self._split(b, table, epilogue.loop, epilogue.numel, epilogue.total)
 
     def _own_gemm(
         self,
@@ -582,8 +592,7 @@ class ModuleBuilder:
         operands: tuple[Access, Access, Access],
         bias: Access | None,
         beta: float,
-        epilogue: tuple[ll.Function, Dim, Dim | None] | None,
-        epilogue_numel: Dim,
+        epilogue: Epilogue | None,
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
         untransposed, [N, K] transposed), its rows or its 32-column panels split between ATen's
@@ -605,8 +614,10 @@ class ModuleBuilder:
         x, w, c = operands
         m, n, kk = blas["n"], blas["m"], blas["k"]
 
+        fusable = epilogue is not None and epilogue.row_step is not None
+
         def split(columns: bool) -> None:
-            with_rows = epilogue is not None and epilogue[2] is not None and not columns
+            with_rows = fusable and not columns
             total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m
             with self._ranged(b, table, "own_gemm", m * n * kk, total) as (kb, tbl, lo, hi):
                 if columns:
@@ -628,16 +639,15 @@ class ModuleBuilder:
                 inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ld["lda"]]
                 kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
                 if with_rows:  # (inside the BLAS clock of a clocked build: it cannot be told apart)
-                    step = I64(epilogue[2]) if isinstance(epilogue[2], int) else self.dim(kb, tbl, epilogue[2])
-                    kb.call(epilogue[0], [tbl, kb.mul(lo, step), kb.mul(hi, step)])
-            if epilogue is not None and not with_rows:
-                self._split(b, table, epilogue[0], epilogue_numel, epilogue[1])
+                    step = self.dim(kb, tbl, epilogue.row_step)
+                    kb.call(epilogue.loop, [tbl, kb.mul(lo, step), kb.mul(hi, step)])
+            if not with_rows:
+                self._epilogue_pass(b, table, epilogue)
 
         # With an epilogue that can follow the rows, rows are split while there are twice as many
         # rows as K: each thread then reads (and packs) the whole weight, K x N, but the epilogue
         # needs no pass of its own over the M x N product (bert-tiny, K = M / 2, 1.02-1.07x
         # faster, three runs; vit-tiny, K = 0.97 M, was 0.973x as fast; mlp-wide, K = 4 M, 0.964x).
-        fusable = epilogue is not None and epilogue[2] is not None
         with self._clocked(b):
             if not blas["ta"] or isinstance(m, int):
                 split(blas["ta"] and n > m and not (fusable and 2 * kk <= m))  # a [N, K] weight's rows are known
