@@ -104,6 +104,7 @@ class EntrySpec:
     int_symbols: tuple[tuple[int, int], ...] = ()  # (position, slot): int arguments that are symbols
     names: tuple[str, ...] = ()  # the parameters' names, where keyword arguments may name them
     error_slot: int = -1  # the table's word a kernel sets on a bad index: the call raises IndexError
+    failed_slot: int = -1  # the table's word set when an ATen call of a native body fails (codegen/calls.py)
 
 
 def ref(slot: int) -> int:
@@ -121,7 +122,8 @@ _FIELDS = (
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
     "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
-    "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error"
+    "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
+    "failed_slot retry"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
@@ -201,6 +203,7 @@ class Descriptor:
         self.set("n_slots", spec.n_slots)
         self.set("release_gil", int(spec.release_gil))
         self.set("error_slot", spec.error_slot)
+        self.set("failed_slot", spec.failed_slot)
         self.set_object("index_error", IndexError)
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -255,12 +258,12 @@ class Descriptor:
         if t.pos < 0:
             self._held[i] = (x,)
             obj = id(x)
-        layout = [self._ref(type(x)), 0, _dtype(x.dtype), x.dim(), sizes, strides]  # keys: set_dispatch_state
+        layout = [self._ref(type(x)), 0, dtype_code(x.dtype), x.dim(), sizes, strides]  # keys: set_dispatch_state
         return [t.pos, obj, int(t.layout), *layout, t.slot, int(x.numel() > 0)]
 
     def _output(self, slot: int, meta: TensorMeta) -> list[int]:
         sizes, strides = self._shape(meta.shape, meta.stride)
-        return [slot, _dtype(meta.dtype), len(meta.shape), sizes, strides]
+        return [slot, dtype_code(meta.dtype), len(meta.shape), sizes, strides]
 
 
 _libc = ctypes.CDLL(None)
@@ -280,7 +283,7 @@ def _lookup(m: torch.nn.Module) -> int:
     return int(custom)
 
 
-def _dtype(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
     return shim_constant(f"dtype_{str(dtype).removeprefix('torch.')}")
 
 
@@ -432,7 +435,7 @@ class _Runtime:
         require(b.icmp_signed("==", dtype, f("default_dtype")))
         self._check_settings(b, d, require)
         self._python_body(b, d, args, nargs)
-        b.ret(b.call(run, [d, table]))
+        b.ret(b.call(run, [d, table, args, nargs]))
         b.position_at_end(miss)
         b.call(self.mb.declare("PyErr_Clear", VOID, []), [])
         b.ret(b.call(self.vectorcall, [f("on_miss", PTR), given, fn.args[2], kwnames]))
@@ -677,15 +680,16 @@ class _Runtime:
         with counted_loop(b, I64(0), self.field(b, d, "n_int_symbols")) as i:
             self._bind_int(b, d, args, i, table, None)
         self._dims(b, d, table)
-        b.ret(b.call(run, [d, table]))
+        b.ret(b.call(run, [d, table, args, nargs]))
 
     def _run(self) -> ll.Function:
-        """braze_run(descriptor, table): the table holds the arguments' and parameters' data
-        pointers (and a generic program's sizes); allocate the outputs, point at the scratch
-        buffers, run the kernels, return the outputs."""
-        fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR]), "braze_run")
+        """braze_run(descriptor, table, args, nargs): the table holds the arguments' and
+        parameters' data pointers (and a generic program's sizes); allocate the outputs, point
+        at the scratch buffers, run the kernels, return the outputs (where an ATen call of the
+        run failed: what the descriptor's `retry` returns for the arguments)."""
+        fn = ll.Function(self.mb.module, ll.FunctionType(PTR, [PTR, PTR, PTR, I64]), "braze_run")
         fn.linkage = "internal"
-        d, table = fn.args
+        d, table, args, nargs = fn.args
         b = ll.IRBuilder(fn.append_basic_block("entry"))
         f = lambda name, ty=I64: self.field(b, d, name, ty)  # noqa: E731
         n_out = f("n_outputs")
@@ -708,6 +712,10 @@ class _Runtime:
         checked = b.icmp_signed(">=", error_slot, I64(0))
         with b.if_then(checked):
             b.store(NULL, self.item(b, table, error_slot))
+        failed_slot = f("failed_slot")
+        calls = b.icmp_signed(">=", failed_slot, I64(0))
+        with b.if_then(calls):
+            b.store(NULL, self.item(b, table, failed_slot))
         with b.if_then(b.icmp_unsigned("!=", run, NULL)):
             b.call(_Callee(run, ll.FunctionType(VOID, [PTR])), [table])
         with b.if_then(release_gil):
@@ -717,6 +725,11 @@ class _Runtime:
                 b.atomic_rmw("xchg", busy, I64(0), "release")
             with other:
                 b.call(self.mb.declare("free", VOID, [PTR]), [fresh])
+        with b.if_then(calls):
+            failed = b.load(self.item(b, table, failed_slot), typ=PTR)
+            with b.if_then(b.icmp_unsigned("!=", failed, NULL)):
+                self._free_outputs(b, d, handles)
+                b.ret(b.call(self.vectorcall, [f("retry", PTR), args, nargs, NULL]))
         bad_index = fn.append_basic_block("bad_index")
         done = fn.append_basic_block("done")
         flagged = self._alloca(b, ll.IntType(1))
@@ -735,11 +748,15 @@ class _Runtime:
         raise the exception type in descriptor field `kind` with `text`, return NULL."""
         b.position_at_end(block)
         d = fn.args[0]
-        with counted_loop(b, I64(0), self.field(b, d, "n_outputs")) as k:
-            b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
+        self._free_outputs(b, d, handles)
         text_ptr = self.mb.cstring(f"braze_{kind}", text)
         b.call(self.mb.declare("PyErr_SetString", VOID, [PTR, PTR]), [self.field(b, d, kind, PTR), text_ptr])
         b.ret(NULL)
+
+    def _free_outputs(self, b: ll.IRBuilder, d: ll.Value, handles: ll.Value) -> None:
+        """Free the outputs allocated so far (NULL handles are deleted as no-ops)."""
+        with counted_loop(b, I64(0), self.field(b, d, "n_outputs")) as k:
+            b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
 
     def _allocate(
         self, b: ll.IRBuilder, d: ll.Value, k: ll.Value, handle: ll.Value, table: ll.Value, oom: ll.Block

@@ -103,6 +103,9 @@ _SHIM = (
     "aoti_torch_empty_strided",
     "aoti_torch_delete_tensor_object",
     "aoti_torch_grad_mode_is_enabled",
+    "aoti_torch_create_tensor_from_blob",  # codegen/calls.py: ATen calls from native code
+    "aoti_torch_call_dispatcher",
+    "torch_new_stable_ivalue",
 )
 
 

@@ -30,9 +30,10 @@ from torch.utils import _pytree as pytree
 
 from . import config, entry
 from .codegen import Access, ModuleBuilder, Segment
+from .codegen.calls import Call, CallEmitter, Step, plan
 from .dims import Dim, Expr, value
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module, matmul_precision, mkl_threads, pyfunction
+from .jit import compile_module, matmul_precision, mkl_threads, pyfunction, shim_constant
 from .lowering import Lowered, Sym
 from .lowering.generic import Family, NotGeneric
 
@@ -193,16 +194,21 @@ class Program:
         self._param_layouts = [_param_layout(p) for p in self.params]
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
-        self.externs = [(n.attrs["label"], _why(n)) for n in graph.nodes if n.op is Op.EXTERN]
+        # Each ATen call, as native code would make it (codegen/calls.py), or why it would not
+        self.calls = {n.name: plan(n) for n in graph.nodes if n.op is Op.EXTERN}
         self.timings = list(timings)
         self.scratch_views: list[str] = []
         self.segments = _segments(graph)
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
-        self.native = not self.externs and _native_outputs(lowered, fresh)
+        natively = all(isinstance(c, Call) for c in self.calls.values())
+        self.native = natively and _native_outputs(lowered, fresh)
+        self.externs = [(n.attrs["label"], _why(n, self.native)) for n in graph.nodes if n.op is Op.EXTERN]
         if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
             raise NotGeneric("it returns a size as a number")
         self.reads = _native_reads(self)  # owners of the memory native code works on
+        if self.native:
+            self.reads |= {self.layout.owner[t] for c in self.calls.values() for t in c.tensors()}
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self.blas_clock: tuple[Any, Any] | None = None  # see config.blas_clock
         self._local = threading.local()
@@ -243,6 +249,15 @@ class Program:
         wrapper, which compiles again or runs eagerly."""
         self.stale = True
         return self._descriptor.on_miss(*args)
+
+    def _in_python(self, *args: Any) -> Any:
+        """An ATen call of the native body failed (it raised, or returned another layout than
+        compiled): run this call through the program's Python body (made the first time), which
+        makes the same calls from Python: it raises what eager raises, or goes stale."""
+        if self._body_globals is None:
+            self._python_body(self._lowered)
+        assert self._body_globals is not None
+        return self._body_globals["body"](*args)
 
     def bind(self, on_miss: Any) -> None:
         """Where `entry` sends the calls it was not compiled for."""
@@ -294,6 +309,11 @@ class Program:
         places = self.family.places if self.family is not None else ()
         int_symbols = tuple((i, self.symbol_slots[j]) for j, ps in enumerate(places) for i, d in ps if d < 0)
         symbolic = {i for i, _ in int_symbols}
+        n_slots = len(slot) + len(self.symbol_slots) + len(self.derived)
+        # A native body's ATen calls: a word per result's handle, and one the run sets on failing
+        calls = [name for name in self.calls if self.native]
+        self.handle_slots = {name: n_slots + i for i, name in enumerate(calls)}
+        self.failed_slot = n_slots + len(calls) if calls else -1
         return entry.EntrySpec(
             n_args=lowered.n_args,
             tensors=tuple(tensors),
@@ -309,12 +329,13 @@ class Program:
             outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=scratch if self.native else (),
-            n_slots=max(len(slot) + len(self.symbol_slots) + len(self.derived), 1),
+            n_slots=max(n_slots + len(calls) + bool(calls), 1),
             release_gil=self._flops() >= config.release_gil_flops,
             symbols=tuple((slot, lo, hi) for slot, (lo, hi) in zip(self.symbol_slots, bounds)),
             int_symbols=int_symbols,
             names=guard.names if len(guard.names) == lowered.n_args else (),
             error_slot=-1 if self.layout.error is None else self.layout.error,
+            failed_slot=self.failed_slot,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -327,6 +348,7 @@ class Program:
             prefix, self._access, config.parallel_threshold, config.blas_clock, self.symbol_slots, self.layout.error
         )
         segs = [mb.segment(s) for s in self.segments]
+        runs = [self._run(mb, segs)] if self.handle_slots else []
         desc_name = entry.emit_trampolines(mb)
         dims = [mb.emit_dims(list(self.derived.items()))] if self.family is not None else []
         clock = [f"{prefix}_blas_cycles", f"{prefix}_cycles"] if mb.clock is not None else []
@@ -340,7 +362,7 @@ class Program:
         scalar = sum(value(n, self.point) for n in mb.scalar_work)
         big = scalar >= config.optimize_threshold and self.family is None
         level = config.opt_level if big else 0
-        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + clock + dims
+        names = [f"{prefix}_entry", f"{prefix}_body", desc_name] + [f.name for f in segs] + runs + clock + dims
         compiled = compile_module(text, names, level, want, only=set(mb.scalar_loops))
         self.timings += compiled.timings
         self.llvm_ir, self.optimized_ir, self.asm = text, compiled.optimized_ir, compiled.asm
@@ -348,19 +370,43 @@ class Program:
         if clock:  # the counter of cycles spent in BLAS calls, and the clock it reads
             self.blas_clock = (ctypes.c_uint64.from_address(addr[clock[0]]), _CYCLES_FN(addr[clock[1]]))
         python_body, run = None, 0
-        if self.native:
-            run = addr[segs[0].name] if segs else 0  # all native: one segment
+        self._fns = [_VOID_FN(addr[f.name]) for f in segs]
+        if self.native:  # one segment, or the segments and ATen calls in turn
+            run = addr[runs[0]] if runs else addr[segs[0].name] if segs else 0
+            self._lowered = lowered if runs else None  # for a failed call's Python body (_in_python)
         else:
-            self._fns = [_VOID_FN(addr[f.name]) for f in segs]
             python_body = self._python_body(lowered)
         self._descriptor = entry.Descriptor(spec, MISS, python_body, run)
         if dims:
             self._descriptor.set("dims", addr[dims[0]])
         self._descriptor.set_object("on_miss", _return_miss)
+        self._descriptor.set_object("retry", self._in_python)
         ctypes.c_void_p.from_address(addr[desc_name]).value = self._descriptor.address
         run_fn = pyfunction(addr[f"{prefix}_entry"], "entry", True, self)
         body = python_body or pyfunction(addr[f"{prefix}_body"], "body", False, self)
         return run_fn, body
+
+    def _run(self, mb: ModuleBuilder, segs: list[Any]) -> str:
+        """A native body with ATen calls: its segments and calls in graph order, each call's
+        result freed after the last step that reads it."""
+        seg_of = {s.kernels[-1].name: (i, s) for i, s in enumerate(self.segments)}
+        steps: list[Step] = []
+        reads: list[set[str]] = []
+        for n in self.graph.nodes:
+            if n.name in seg_of:
+                i, seg = seg_of[n.name]
+                steps.append(Step(segment=segs[i]))
+                reads.append(_native_reads(self, [seg]))
+            elif n.name in self.handle_slots:
+                call = self.calls[n.name]
+                assert isinstance(call, Call)
+                steps.append(Step(call=(n, call, self.handle_slots[n.name])))
+                reads.append({self.layout.owner[t] for t in call.tensors()})
+        for name, handle in self.handle_slots.items():
+            made = next(i for i, step in enumerate(steps) if step.call and step.call[0].name == name)
+            steps[max(i for i in range(made, len(steps)) if name in reads[i] or i == made)].frees += (handle,)
+        emitter = CallEmitter(mb, entry.dtype_code, shim_constant("device_type_cpu"))
+        return emitter.run(steps, list(self.handle_slots.values()), self.failed_slot)
 
     def _python_body(self, lowered: Lowered) -> Any:
         writer = _RunnerWriter(self, lowered)
@@ -419,9 +465,10 @@ class Program:
         return ns
 
 
-def _why(n: Node) -> str:
+def _why(n: Node, native: bool) -> str:
     kept = "; made once per sizes and kept: its result follows from the sizes alone"
-    return n.attrs["why"] + (kept if n.attrs.get("memo") else "")
+    called = "; called from native code" if native else ""
+    return n.attrs["why"] + (kept if n.attrs.get("memo") else "") + called
 
 
 MEMO_ENTRIES = 8  # sizes whose memoized results a program keeps (the oldest go first)

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import braze
@@ -279,3 +281,91 @@ def test_keyword_calls_take_the_native_entry():
         with pytest.raises(TypeError):
             compiled(x, x=x, y=y)  # given twice
     assert compiled._dynamo is None, "a bad keyword call does not hand the model to TorchDynamo"
+
+
+class _Attention(nn.Module):
+    """Scores through ATen's sdpa (its optional tensor and float arguments given), then a gather
+    by a buffer of indices: two ATen calls between native kernels."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.qkv, self.causal = nn.Linear(16, 48), causal
+        self.register_buffer("order", torch.tensor([[2, 0, 1, 3]]))
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = None if self.causal else mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=0.3)
+        y = y.transpose(1, 2).reshape(b, t, 16)
+        return torch.gather(y[:, :, :4], 2, self.order.expand(b, t, 4)) * 2 + 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_aten_calls_of_dispatched_ops_run_from_the_native_body(causal, threads):
+    model = _Attention(causal).eval()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t in (1, 7, 33):
+            x, mask = torch.randn(2, t, 16), torch.randn(2, 1, t, t)
+            compiled, prog = compiled_for_args(model, (x, mask))
+            assert prog.native and prog._body_globals is None  # no Python body made
+            for _ in range(2):  # the second call takes the entry
+                check_model(model, (x, mask), compiled=compiled)
+        torch._dynamo.reset()  # (explain's TorchDynamo capture counts towards its recompile limit)
+        report = braze.explain(model, x, mask)
+        assert report.count("called from native code") == 2 and "body: native" in report, report
+    finally:
+        torch.set_num_threads(before)
+
+
+def compiled_for_args(model: nn.Module, args: tuple) -> tuple[braze.CompiledModule, braze.runtime.Program]:
+    compiled = braze.compile(model)
+    check_model(model, args, compiled=compiled)
+    return compiled, program(compiled)
+
+
+def test_a_failing_aten_call_raises_what_eager_raises_without_recompiling():
+    model, x, mask = _Attention(False).eval(), torch.randn(2, 5, 16), torch.randn(2, 1, 5, 5)
+    compiled, prog = compiled_for_args(model, (x, mask))
+    assert prog.native
+    with torch.no_grad():
+        model.order[0, 1] = 9  # out of range for gather: the call raises inside the native body
+        with pytest.raises(RuntimeError) as eager:
+            model(x, mask)
+        with pytest.raises(RuntimeError) as ours:
+            compiled(x, mask)
+        assert str(ours.value) == str(eager.value)
+        model.order[0, 1] = 3
+        check_model(model, (x, mask), compiled=compiled)
+    assert compiled.programs() == [prog] and braze.debug.compilations(compiled).count("\n") == 0
+
+
+def test_an_aten_result_laid_out_otherwise_than_compiled_goes_stale():
+    # ATen's math attention (chosen by the setting) returns another layout than its flash
+    # attention: the native body's check sees it, and the call is compiled again.
+    model, x, mask = _Attention(False).eval(), torch.randn(2, 5, 16), torch.randn(2, 1, 5, 5)
+    compiled, _ = compiled_for_args(model, (x, mask))
+    with sdpa_kernel(SDPBackend.MATH):
+        for _ in range(2):
+            check_model(model, (x, mask), compiled=compiled)
+    assert "another layout" in braze.debug.compilations(compiled)
+
+
+def test_aten_results_and_argument_handles_are_freed():
+    class Gather(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("index", torch.arange(1 << 20).flip(0))
+
+        def forward(self, x):
+            return torch.gather(x, 0, self.index) * 2
+
+    compiled = braze.compile(Gather())
+    assert _grown_mb(compiled, torch.randn(1 << 20), 500) < 100  # 4 MB results: 2 GB if kept
+    assert program(compiled).native
+    small = braze.compile(lambda x, i: torch.gather(x, 0, i) + 1)
+    x, i = torch.randn(3), torch.tensor([2, 0])
+    assert _grown_mb(lambda x: small(x, i), x, 100_000) < 4  # lost handles: ~100 bytes each a call

@@ -235,8 +235,8 @@ class ModuleBuilder:
         total: ll.Value | None = None
         for m, c in x.terms:
             factors = [syms[j] for j, e in enumerate(m) for _ in range(e)]
-            term = factors[0] if c == 1 else I64(c)
-            for f in factors[1:] if c == 1 else factors:
+            term = factors[0] if c == 1 and factors else I64(c)  # (a constant term has no factor)
+            for f in factors[1:] if c == 1 and factors else factors:
                 term = b.mul(term, f)
             total = term if total is None else b.add(total, term)
         assert total is not None

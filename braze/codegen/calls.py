@@ -1,0 +1,230 @@
+"""ATen calls made from native code: a program whose ATen calls are all of ops in DISPATCHED keeps
+a native body (no generated Python body between its segments, no Python frame per call).
+
+Each call goes through ATen's stable C interface, the way a C++ extension calls an op:
+`aoti_torch_call_dispatcher(op, overload, stack)`, a stack of one 8-byte word per argument of the
+op's schema (a tensor handle, an int, a double's bits, a bool; an optional's value behind a heap
+word from `torch_new_stable_ivalue`; None as 0). Tensor arguments are handles made per call over
+the memory the table points at (`aoti_torch_create_tensor_from_blob`, with the layout the
+program was compiled for; the dispatcher consumes them). It is the same op, at the same
+dispatch key, with the same arguments as the Python call would make: the same kernel, the same
+bits.
+
+The result's layout (dtype, sizes, strides) is checked against the one compiled for; on a
+mismatch, or an error the op raised, the run stops, sets the table's `failed` word, and the call
+is handed back to the wrapper (runtime.Program._went_stale), which compiles again or runs eagerly
+and so raises what eager raises. A result's handle is freed after the last step that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import llvmlite.ir as ll
+import torch
+
+from ..dims import Dim, Expr
+from ..ir import Node, TensorMeta
+from .loops import I32, I64, PTR, VOID, Access
+
+# One row per op: the Python callables TorchDynamo and torch.fx record -> (schema name, overload).
+DISPATCHED: dict[Any, tuple[str, str]] = {
+    torch._C._nn.scaled_dot_product_attention: ("aten::scaled_dot_product_attention", ""),
+    torch.gather: ("aten::gather", ""),
+    torch.Tensor.gather: ("aten::gather", ""),
+}
+
+NULL = ll.Constant(PTR, None)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One word of a call's stack: a tensor (`value` names it), None, or a number (an int may be
+    a generic program's size); `boxed`: an optional's value, passed through a heap word."""
+
+    kind: str  # "tensor", "none", "int", "float", "bool"
+    value: Any = None
+    boxed: bool = False
+
+
+@dataclass(frozen=True)
+class Call:
+    op: str
+    overload: str
+    args: tuple[Arg, ...]
+
+    def tensors(self) -> list[str]:
+        return [a.value for a in self.args if a.kind == "tensor"]
+
+
+def plan(n: Node) -> Call | str:
+    """How EXTERN node n is called from native code, or why it is not."""
+    fn = n.attrs["fn"]
+    if fn not in DISPATCHED:
+        return "its op is not called from native code"
+    if any(n.attrs.get(a) for a in ("memo", "mutates", "alias_of")):
+        return "a memoized, mutating or aliasing call"
+    if not isinstance(n.meta, TensorMeta) or n.attrs.get("store") != "extern":
+        return "its result is not one tensor of its own"
+    op, overload = DISPATCHED[fn]
+    schema = getattr(torch.ops.aten, op.removeprefix("aten::")).default._schema
+    given = dict(zip((a.name for a in schema.arguments), n.attrs["args"]))
+    if len(n.attrs["args"]) > len(schema.arguments) or given.keys() & n.attrs["kwargs"].keys():
+        return "its arguments do not fit the op's schema"
+    given.update(n.attrs["kwargs"])
+    args = []
+    for a in schema.arguments:
+        value = given.pop(a.name) if a.name in given else a.default_value if a.has_default_value() else ...
+        arg = _arg(str(a.type), value)
+        if arg is None:
+            return f"argument {a.name} ({a.type}) is not one native code passes"
+        args.append(arg)
+    if given:
+        return "its arguments do not fit the op's schema"
+    return Call(op, overload, tuple(args))
+
+
+def _arg(schema_type: str, value: Any) -> Arg | None:
+    optional = schema_type.startswith("Optional[")
+    inner = schema_type.removeprefix("Optional[").removesuffix("]") if optional else schema_type
+    if value is None:
+        return Arg("none") if optional else None
+    if inner == "Tensor" and isinstance(getattr(value, "meta", None), torch.Tensor):
+        return Arg("tensor", value.name, optional)
+    if inner in ("int", "SymInt") and isinstance(value, (int, Expr)) and not isinstance(value, bool):
+        return Arg("int", value, optional)
+    if inner == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return Arg("float", float(value), optional)
+    if inner == "bool" and isinstance(value, bool):
+        return Arg("bool", value, optional)
+    return None
+
+
+@dataclass
+class Step:
+    """One step of a native body: a segment's function, or an ATen call (node, plan, the table
+    word its handle goes in); then the handles of the results nothing later reads are freed."""
+
+    segment: ll.Function | None = None
+    call: tuple[Node, Call, int] | None = None
+    frees: tuple[int, ...] = ()
+
+
+class CallEmitter:
+    """Writes `{prefix}_run(table)`: the steps in order, the ATen calls between the segments."""
+
+    def __init__(self, mb: Any, dtype_code: Any, cpu: int) -> None:
+        self.mb, self.dtype_code, self.cpu = mb, dtype_code, cpu
+        d = mb.declare
+        self.dispatch = d("aoti_torch_call_dispatcher", I32, [PTR, PTR, PTR])
+        self.from_blob = d("aoti_torch_create_tensor_from_blob", I32, [PTR, I64, PTR, PTR, I64, I32, I32, I32, PTR])
+        self.boxed = d("torch_new_stable_ivalue", I32, [PTR])
+        self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
+        self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
+
+    def run(self, steps: list[Step], handles: list[int], failed: int) -> str:
+        fn = ll.Function(self.mb.module, ll.FunctionType(VOID, [PTR]), f"{self.mb.prefix}_run")
+        table = fn.args[0]
+        b = ll.IRBuilder(fn.append_basic_block("entry"))
+        fail = fn.append_basic_block("failed")
+        for h in handles:
+            b.store(NULL, self._word(b, table, h))
+        for step in steps:
+            if step.segment is not None:
+                b.call(step.segment, [table])
+            if step.call is not None:
+                self._call(b, table, *step.call, fail)
+            for h in step.frees:
+                self._free(b, table, h)
+        b.ret_void()
+        b.position_at_end(fail)
+        b.store(ll.Constant(I64, 1), self._word(b, table, failed))
+        for h in handles:  # (NULL: not made, or freed already)
+            self._free(b, table, h)
+        b.ret_void()
+        return fn.name
+
+    @staticmethod
+    def _word(b: ll.IRBuilder, table: ll.Value, slot: int) -> ll.Value:
+        return b.gep(table, [I64(slot)], source_etype=PTR)
+
+    def _free(self, b: ll.IRBuilder, table: ll.Value, slot: int) -> None:
+        word = self._word(b, table, slot)
+        b.call(self.delete, [b.load(word, typ=PTR)])
+        b.store(NULL, word)
+
+    def _require(self, b: ll.IRBuilder, ok: ll.Value, fail: ll.Block) -> None:
+        nxt = b.append_basic_block("ok")
+        b.cbranch(ok, nxt, fail)
+        b.position_at_end(nxt)
+
+    def _call(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
+        with b.goto_entry_block():
+            stack = b.alloca(I64, size=I64(max(len(call.args), 1)))
+        for i, a in enumerate(call.args):
+            value = self._value(b, table, a, fail)
+            if a.boxed:
+                with b.goto_entry_block():
+                    box = b.alloca(PTR)
+                self._require(b, b.icmp_signed("==", b.call(self.boxed, [box]), I32(0)), fail)
+                b.store(value, b.load(box, typ=PTR))
+                value = b.ptrtoint(b.load(box, typ=PTR), I64)
+            b.store(value, b.gep(stack, [I64(i)], source_etype=I64))
+        op = self.mb.cstring(f"aten_op_{call.op}", call.op)
+        overload = self.mb.cstring(f"aten_ov_{call.op}", call.overload)
+        self._require(b, b.icmp_signed("==", b.call(self.dispatch, [op, overload, stack]), I32(0)), fail)
+        result = b.inttoptr(b.load(stack, typ=I64), PTR)
+        b.store(result, self._word(b, table, handle))
+        self._check(b, table, result, n.meta, fail)
+        slot = self.mb.slot_of(n.name).slot
+        b.call(self.data_ptr, [result, self._word(b, table, slot)])
+
+    def _value(self, b: ll.IRBuilder, table: ll.Value, a: Arg, fail: ll.Block) -> ll.Value:
+        if a.kind == "none":
+            return I64(0)
+        if a.kind == "float":
+            return b.bitcast(ll.Constant(ll.DoubleType(), a.value), I64)
+        if a.kind == "bool":
+            return I64(int(a.value))
+        if a.kind == "int":
+            return self.mb.dim(b, table, a.value)
+        return self._tensor(b, table, self.mb.slot_of(a.value), fail)
+
+    def _shape(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...]) -> ll.Value:
+        with b.goto_entry_block():
+            arr = b.alloca(I64, size=I64(max(len(values), 1)))
+        for k, v in enumerate(values):
+            b.store(self.mb.dim(b, table, v), b.gep(arr, [I64(k)], source_etype=I64))
+        return arr
+
+    def _tensor(self, b: ll.IRBuilder, table: ll.Value, acc: Access, fail: ll.Block) -> ll.Value:
+        """A new handle of a tensor over the memory the access names, laid out as compiled."""
+        m = acc.meta
+        base = b.load(self._word(b, table, acc.slot), typ=PTR)
+        offset = b.mul(self.mb.dim(b, table, m.offset), I64(m.dtype.itemsize))
+        data = b.gep(base, [offset], source_etype=ll.IntType(8))
+        sizes, strides = self._shape(b, table, m.shape), self._shape(b, table, m.stride)
+        with b.goto_entry_block():
+            out = b.alloca(PTR)
+        dtype, cpu = I32(self.dtype_code(m.dtype)), I32(self.cpu)
+        err = b.call(self.from_blob, [data, I64(len(m.shape)), sizes, strides, I64(0), dtype, cpu, I32(0), out])
+        self._require(b, b.icmp_signed("==", err, I32(0)), fail)
+        return b.ptrtoint(b.load(out, typ=PTR), I64)
+
+    def _check(self, b: ll.IRBuilder, table: ll.Value, h: ll.Value, meta: TensorMeta, fail: ll.Block) -> None:
+        """The result is laid out as compiled: dtype, dimensions, sizes and strides."""
+        d = self.mb.declare
+        with b.goto_entry_block():
+            word = b.alloca(I64)
+        b.store(I64(0), word)  # the getters write an int32 into it
+        b.call(d("aoti_torch_get_dtype", I32, [PTR, PTR]), [h, word])
+        self._require(b, b.icmp_signed("==", b.load(word, typ=I64), I64(self.dtype_code(meta.dtype))), fail)
+        b.call(d("aoti_torch_get_dim", I32, [PTR, PTR]), [h, word])
+        self._require(b, b.icmp_signed("==", b.load(word, typ=I64), I64(len(meta.shape))), fail)
+        for getter, values in (("aoti_torch_get_sizes", meta.shape), ("aoti_torch_get_strides", meta.stride)):
+            b.call(d(getter, I32, [PTR, PTR]), [h, word])
+            have = b.load(word, typ=PTR)
+            for k, v in enumerate(values):
+                got = b.load(b.gep(have, [I64(k)], source_etype=I64), typ=I64)
+                self._require(b, b.icmp_signed("==", got, self.mb.dim(b, table, v)), fail)
