@@ -105,6 +105,7 @@ class EntrySpec:
     names: tuple[str, ...] = ()  # the parameters' names, where keyword arguments may name them
     error_slot: int = -1  # the table's word a kernel sets on a bad index: the call raises IndexError
     failed_slot: int = -1  # the table's word set when an ATen call of a native body fails (codegen/calls.py)
+    memo_slots: tuple[int, ...] = ()  # where a native body reads its memoized results (the `memo` field's)
 
 
 def ref(slot: int) -> int:
@@ -123,7 +124,7 @@ _FIELDS = (
     "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
-    "failed_slot retry"
+    "failed_slot retry memo n_memo memo_slots"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
@@ -204,6 +205,7 @@ class Descriptor:
         self.set("release_gil", int(spec.release_gil))
         self.set("error_slot", spec.error_slot)
         self.set("failed_slot", spec.failed_slot)
+        self._set_array("memo_slots", "n_memo", list(spec.memo_slots))
         self.set_object("index_error", IndexError)
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -692,6 +694,7 @@ class _Runtime:
         d, table, args, nargs = fn.args
         b = ll.IRBuilder(fn.append_basic_block("entry"))
         f = lambda name, ty=I64: self.field(b, d, name, ty)  # noqa: E731
+        memo = self._memo(b, d, table, args, nargs)
         n_out = f("n_outputs")
         handles = b.alloca(PTR, size=n_out)
         oom = fn.append_basic_block("oom")
@@ -720,6 +723,7 @@ class _Runtime:
             b.call(_Callee(run, ll.FunctionType(VOID, [PTR])), [table])
         with b.if_then(release_gil):
             b.call(self.mb.declare("PyEval_RestoreThread", VOID, [PTR]), [b.load(state, typ=PTR)])
+        b.call(self.decref, [memo])
         with b.if_else(took) as (kept, other):
             with kept:
                 b.atomic_rmw("xchg", busy, I64(0), "release")
@@ -752,6 +756,30 @@ class _Runtime:
         text_ptr = self.mb.cstring(f"braze_{kind}", text)
         b.call(self.mb.declare("PyErr_SetString", VOID, [PTR, PTR]), [self.field(b, d, kind, PTR), text_ptr])
         b.ret(NULL)
+
+    def _memo(self, b: ll.IRBuilder, d: ll.Value, table: ll.Value, args: ll.Value, nargs: ll.Value) -> ll.Value:
+        """A native body's memoized ATen results (runtime.Program._memo_function): their data
+        pointers into the table; the tuple holding them is returned (a new reference, NULL if
+        none), to be released after the run. Where the function raised, return NULL; where it
+        returned other than one result per slot, the call runs in Python (`retry`)."""
+        memo = self.field(b, d, "memo", PTR)
+        held = self._alloca(b, PTR)
+        b.store(NULL, held)
+        with b.if_then(b.icmp_unsigned("!=", memo, NULL)):
+            results = b.call(self.vectorcall, [memo, args, nargs, NULL])
+            with b.if_then(b.icmp_unsigned("==", results, NULL)):
+                b.ret(NULL)
+            n = self.field(b, d, "n_memo")
+            with b.if_then(b.icmp_signed("!=", b.call(self.mb.declare("PyTuple_Size", I64, [PTR]), [results]), n)):
+                b.call(self.decref, [results])
+                b.ret(b.call(self.vectorcall, [self.field(b, d, "retry", PTR), args, nargs, NULL]))
+            b.store(results, held)
+            item = self.mb.declare("PyTuple_GetItem", PTR, [PTR, I64])
+            with counted_loop(b, I64(0), n) as k:
+                tensor = b.gep(b.call(item, [results, k]), [I64(TENSOR_OFFSET)], source_etype=I8)
+                slot = self.word(b, self.field(b, d, "memo_slots", PTR), k)
+                b.call(self.data_ptr, [tensor, self.item(b, table, slot)])
+        return b.load(held, typ=PTR)
 
     def _free_outputs(self, b: ll.IRBuilder, d: ll.Value, handles: ll.Value) -> None:
         """Free the outputs allocated so far (NULL handles are deleted as no-ops)."""

@@ -201,18 +201,24 @@ class Program:
         self.segments = _segments(graph)
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
-        natively = all(isinstance(c, Call) for c in self.calls.values())
+        # (memoized calls are made from Python once per sizes: see _memo_function)
+        memo = {n.name for n in graph.nodes if n.attrs.get("memo")}
+        natively = all(isinstance(c, Call) for name, c in self.calls.items() if name not in memo)
         self.native = natively and _native_outputs(lowered, fresh)
+        self.calls = {name: c for name, c in self.calls.items() if name not in memo}
         self.externs = [(n.attrs["label"], _why(n, self.native)) for n in graph.nodes if n.op is Op.EXTERN]
         if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
             raise NotGeneric("it returns a size as a number")
         self.reads = _native_reads(self)  # owners of the memory native code works on
         if self.native:
-            self.reads |= {self.layout.owner[t] for c in self.calls.values() for t in c.tensors()}
+            self.reads |= {
+                self.layout.owner[t] for c in self.calls.values() if isinstance(c, Call) for t in c.tensors()
+            }
         self.llvm_ir = self.optimized_ir = self.asm = ""
         self.blas_clock: tuple[Any, Any] | None = None  # see config.blas_clock
         self._local = threading.local()
         self._body_globals: dict[str, Any] | None = None  # a Python body's namespace
+        self.memo: dict[tuple, tuple] = {}  # the results of ATen calls that follow from the sizes, per sizes
         spec = self._spec(lowered, guard, fresh)
         self.entry, self.body = self._build(spec, lowered)
 
@@ -312,6 +318,8 @@ class Program:
         n_slots = len(slot) + len(self.symbol_slots) + len(self.derived)
         # A native body's ATen calls: a word per result's handle, and one the run sets on failing
         calls = [name for name in self.calls if self.native]
+        # A native body's memoized ATen results: where it reads each (see _memo_function)
+        self.memo_slots = tuple(slot[n] for n in _memo_read(self)) if self.native else ()
         self.handle_slots = {name: n_slots + i for i, name in enumerate(calls)}
         self.failed_slot = n_slots + len(calls) if calls else -1
         return entry.EntrySpec(
@@ -336,6 +344,7 @@ class Program:
             names=guard.names if len(guard.names) == lowered.n_args else (),
             error_slot=-1 if self.layout.error is None else self.layout.error,
             failed_slot=self.failed_slot,
+            memo_slots=self.memo_slots,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -348,7 +357,8 @@ class Program:
             prefix, self._access, config.parallel_threshold, config.blas_clock, self.symbol_slots, self.layout.error
         )
         segs = [mb.segment(s) for s in self.segments]
-        runs = [self._run(mb, segs)] if self.handle_slots else []
+        # (memoized calls split segments too: a native body of several runs them in turn)
+        runs = [self._run(mb, segs)] if self.native and len(segs) > 1 or self.handle_slots else []
         desc_name = entry.emit_trampolines(mb)
         dims = [mb.emit_dims(list(self.derived.items()))] if self.family is not None else []
         clock = [f"{prefix}_blas_cycles", f"{prefix}_cycles"] if mb.clock is not None else []
@@ -381,6 +391,8 @@ class Program:
             self._descriptor.set("dims", addr[dims[0]])
         self._descriptor.set_object("on_miss", _return_miss)
         self._descriptor.set_object("retry", self._in_python)
+        if self.native and any(n.attrs.get("memo") for n in self.graph.nodes):
+            self._descriptor.set_object("memo", self._memo_function(lowered))
         ctypes.c_void_p.from_address(addr[desc_name]).value = self._descriptor.address
         run_fn = pyfunction(addr[f"{prefix}_entry"], "entry", True, self)
         body = python_body or pyfunction(addr[f"{prefix}_body"], "body", False, self)
@@ -407,6 +419,16 @@ class Program:
             steps[max(i for i in range(made, len(steps)) if name in reads[i] or i == made)].frees += (handle,)
         emitter = CallEmitter(mb, entry.dtype_code, shim_constant("device_type_cpu"))
         return emitter.run(steps, list(self.handle_slots.values()), self.failed_slot)
+
+    def _memo_function(self, lowered: Lowered) -> Any:
+        """For a native body: a Python function of the call's arguments that returns the
+        memoized ATen results it reads (_memo_read's), made once per sizes and kept, or () where
+        one came back laid out otherwise than compiled (the body then runs the call in Python)."""
+        writer = _RunnerWriter(self, lowered)
+        source = writer.memo_source()
+        namespace = self._namespace(lowered, writer.consts)
+        exec(compile(source, f"<braze memo {id(self):x}>", "exec"), namespace)
+        return namespace["memo"]
 
     def _python_body(self, lowered: Lowered) -> Any:
         writer = _RunnerWriter(self, lowered)
@@ -459,16 +481,16 @@ class Program:
         ns["_relaid"] = _relaid
         ns["_scratch_view"] = _scratch_view
         ns["_stale"] = self._went_stale
-        ns["_memo"] = {}  # the results of ATen calls that follow from the sizes, per sizes
+        ns["_memo"] = self.memo
         ns["_remember"] = _remember
         ns["INDEX_ERROR"] = entry.INDEX_ERROR
         return ns
 
 
 def _why(n: Node, native: bool) -> str:
-    kept = "; made once per sizes and kept: its result follows from the sizes alone"
-    called = "; called from native code" if native else ""
-    return n.attrs["why"] + (kept if n.attrs.get("memo") else "") + called
+    if n.attrs.get("memo"):
+        return n.attrs["why"] + "; made once per sizes and kept: its result follows from the sizes alone"
+    return n.attrs["why"] + ("; called from native code" if native else "")
 
 
 MEMO_ENTRIES = 8  # sizes whose memoized results a program keeps (the oldest go first)
@@ -503,6 +525,13 @@ def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[s
         for k in seg.kernels:
             names |= {k.name, *k.value_inputs()} | {i for b in k.body for i in b.value_inputs()}
     return {prog.layout.owner[n] for n in names if n in prog.layout.owner}
+
+
+def _memo_read(prog: Program) -> list[str]:
+    """The memoized ATen results that the program's other nodes, or its native code, read."""
+    owner, g = prog.layout.owner, prog.graph
+    used = {owner[v] for n in g.nodes if n.op is not Op.VIEW and not n.attrs.get("memo") for v in n.value_inputs()}
+    return [n.name for n in g.nodes if n.attrs.get("memo") and (n.name in used or n.name in prog.reads)]
 
 
 def _relaid(t: Any, shape: tuple, stride: tuple, dtype: torch.dtype) -> bool:
@@ -612,38 +641,50 @@ class _RunnerWriter:
     def _memoized(self, memo: list[Node]) -> str:
         """The source of `_memo_fn`, which makes the memoized ATen results (passes.memoize) at the
         sizes it is given; the body takes them from `_memo`, or from it and keeps them."""
+        source = self._memo_fn(memo)
+        names = "".join(f"{n}, " for n in _memo_read(self.prog))
+        self.lines.append(f"    if _m is None: return _stale({self.args})")
+        if names:  # (none: results nobody reads, kept for the errors they would raise)
+            self.lines.append(f"    {names}= _m")
+        for n in _memo_read(self.prog):
+            self._bind(self.prog.nodes[n])
+            self._to_table(self.prog.nodes[n])
+        return source
+
+    def _memo_fn(self, memo: list[Node]) -> str:
+        """`_memo_fn`'s source; and the lines that set `_m` to its results at the call's sizes."""
         syms = "".join(f"s{j}, " for j in range(len(self.prog.family.lo))) if self.prog.family else ""
         outer, expr, base = self.lines, dict(self.expr), dict(self.base)
         self.lines = []
         for n in memo:
             self._extern(n, stale="None")
-        owner, g = self.prog.layout.owner, self.prog.graph
-        used = {owner[v] for n in g.nodes if n.op is not Op.VIEW and not n.attrs.get("memo") for v in n.value_inputs()}
-        read = [n for n in memo if n.name in used or n.name in self.reads]  # what the body reads
-        names = "".join(f"{n.name}, " for n in read)
+        names = "".join(f"{n}, " for n in _memo_read(self.prog))
         source = "\n".join([f"def _memo_fn({syms}):", *_free_dead([*self.lines, f"    return ({names})"])]) + "\n"
         self.lines, self.expr, self.base = outer, expr, base
         key = f"({syms})"
         self.lines.append(f"    _m = _memo.get({key}, _memo)")  # (one lookup: other threads may drop the entry)
         self.lines.append(f"    if _m is _memo: _m = _remember(_memo, {key}, _memo_fn({syms}))")
-        self.lines.append(f"    if _m is None: return _stale({self.args})")
-        if names:  # (none: results nobody reads, kept for the errors they would raise)
-            self.lines.append(f"    {names}= _m")
-        for n in read:
-            self._bind(n)
-            self._to_table(n)
         return source
 
-    def _symbols(self) -> None:
-        """A generic program's symbols, read from the arguments, into s0, s1, ... and the table;
-        its scratch buffers, sized for them."""
+    def memo_source(self) -> str:
+        """The source of `memo(*args)`, a native body's memoized results (Program._memo_function)."""
+        self._symbols(table=False)
+        source = self._memo_fn([n for n in self.prog.graph.nodes if n.attrs.get("memo")])
+        return (
+            source + "\n".join([f"def memo({self.args}):", *self.lines, "    return () if _m is None else _m"]) + "\n"
+        )
+
+    def _symbols(self, table: bool = True) -> None:
+        """A generic program's symbols, read from the arguments, into s0, s1, ... and (`table`)
+        the table; its scratch buffers, sized for them."""
         prog = self.prog
         if prog.family is None:
             return
         for j, ((i, d), *_) in enumerate(prog.family.places):
             self.lines.append(f"    s{j} = a{i}" + (f".shape[{d}]" if d >= 0 else ""))
-            self.lines.append(f"    t[{prog.symbol_slots[j]}] = s{j}")
-        for b, nbytes in prog.layout.scratch_bytes.items():
+            if table:
+                self.lines.append(f"    t[{prog.symbol_slots[j]}] = s{j}")
+        for b, nbytes in prog.layout.scratch_bytes.items() if table else ():
             self.lines.append(f"    _b{b} = ws.buffer({b}, {nbytes}, {prog.layout.tmp_slot[b]})")
 
     def _segment(self, i: int) -> None:

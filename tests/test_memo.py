@@ -3,6 +3,7 @@ per sizes and kept by the program (passes.memoize, runtime._remember)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -41,7 +42,7 @@ def test_a_causal_mask_is_made_once_per_sizes():
     for prog in compiled.programs():
         assert _memoized(prog) == ["torch.arange", "_operator.le"]  # (the indexing: native views)
         assert "made once per sizes" in " ".join(why for _, why in prog.externs)
-    sizes = [key for p in compiled.programs() for key in p._body_globals["_memo"]]
+    sizes = [key for p in compiled.programs() for key in p.memo]
     generic = [p for p in compiled.programs() if p.family is not None]
     assert generic and len(sizes) == len(set(sizes)) and len(sizes) <= 3  # one entry per sizes seen
 
@@ -53,12 +54,12 @@ def test_the_kept_results_are_bounded(monkeypatch):
         for n in range(3, 9):
             compiled(torch.randn(1, 1, n, 4))
     (prog,) = compiled.programs()
-    assert len(prog._body_globals["_memo"]) == 2
+    assert len(prog.memo) == 2
     monkeypatch.setattr(runtime, "MEMO_BYTES", 0)  # too large: made at every call, kept nowhere
-    prog._body_globals["_memo"].clear()
+    prog.memo.clear()
     with torch.no_grad():
         compiled(torch.randn(1, 1, 5, 4))
-    assert not prog._body_globals["_memo"]
+    assert not prog.memo
 
 
 def test_results_returned_changed_in_place_or_random_are_made_every_call():
@@ -169,3 +170,42 @@ def test_gpt2_keeps_its_mask_and_position_calls():
     made = {label for label, why in calls if "kept" not in why}
     assert made == {"torch._C._nn.scaled_dot_product_attention"}  # all else: once per sizes
     assert sum("kept" in why for _, why in calls) >= 10
+
+
+class CausalScaled(Causal):
+    def forward(self, q):
+        return super().forward(q) * 2  # (a native kernel writes the output)
+
+
+def test_a_native_body_reads_the_kept_results_and_holds_them_while_it_runs():
+    model, compiled = CausalScaled(), braze.compile(CausalScaled())
+    q = torch.randn(2, 7, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(compiled(q), model(q))
+        (prog,) = compiled.programs()
+        assert prog.native and prog._body_globals is None  # no Python body made
+        (kept,) = prog.memo.values()
+        refs = sys.getrefcount(kept)
+        for _ in range(1000):
+            compiled(q)
+        assert sys.getrefcount(kept) == refs  # taken for the run, given back after
+        prog.memo.clear()  # made again by the next call
+        assert_same(compiled(q), model(q))
+        assert len(prog.memo) == 1 and next(iter(prog.memo.values())) is not kept
+
+
+def test_a_native_body_runs_every_segment_around_kept_results():
+    # No ATen call left per call, but the kept results split the native code into segments.
+    def fn(x):
+        y = torch.softmax(x, -1)  # (a row kernel: the loop after cannot take it in)
+        pos = torch.arange(x.shape[-1]).to(torch.float32)
+        return (y + pos).relu()
+
+    compiled = braze.compile(fn)
+    for n in (5, 9):
+        x = torch.randn(3, n)
+        for _ in range(2):
+            assert_same(compiled(x), fn(x))
+    for prog in compiled.programs():
+        assert prog.native and len(prog.segments) > 1 and prog.memo
