@@ -68,7 +68,8 @@ def _module_replaced(module: torch.nn.Module, *_: Any) -> None:
 
 def _tensor_replaced(table: str) -> Callable[[torch.nn.Module, str, Any], None]:
     """A parameter or buffer (`table`: "_parameters" or "_buffers") of `module` is about to be
-    replaced: its wrappers' programs read the new tensor from now on."""
+    replaced: its wrappers' programs read the new tensor from now on; set where it was None:
+    they compile again."""
 
     def hook(module: torch.nn.Module, name: str, value: Any) -> None:
         # TorchDynamo, tracing a forward that registers modules (Llama's), would otherwise trace
@@ -81,6 +82,8 @@ def _tensor_replaced(table: str) -> Callable[[torch.nn.Module, str, Any], None]:
         if old is not None and isinstance(value, torch.Tensor):
             for wrapper in list(_watching.get(module, ())):
                 wrapper._rebind(old, value)
+        elif name in getattr(module, table):  # set where it was None (`linear.bias = None` was seen by the entry)
+            _module_replaced(module)
 
     return hook
 
@@ -183,12 +186,24 @@ def build_program(
     # Every parameter, also those only an ATen call reads (an nn.Module run unchanged): in grad
     # mode, one that requires grad means autograd, which needs eager (as on the slow path).
     params = tuple(captured.root.parameters())
-    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names)
+    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, _owners(captured.root))
     prog = Program(lowered, graph, timings, guard, family)
     prog.pass_log = log
     prog.lowered = lowered
     prog.captured_graph = captured.graph
     return prog
+
+
+def _owners(root: torch.nn.Module) -> dict[int, tuple[tuple[dict, str], ...]]:
+    """Where each parameter and buffer of `root` is registered: (its module's `_parameters` or
+    `_buffers`, its name there), by the tensor's id."""
+    found: dict[int, list[tuple[dict, str]]] = {}
+    for m in root.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    found.setdefault(id(t), []).append((table, name))
+    return {k: tuple(v) for k, v in found.items()}
 
 
 class CompiledFunction:
@@ -327,9 +342,9 @@ class CompiledFunction:
             return prog(*args)
         # The entry may have refused a call of this signature because the thread's dispatch
         # state changed (no_grad -> inference_mode, say): check the tensors again under this one.
-        if not prog.rearm(args):  # a parameter changed dtype or layout (`.double()`): recompile
+        if not prog.rearm(args):  # `.double()`, `linear.bias = None`: recompile
             self._cache.pop(key, None)
-            self._why = "a parameter changed dtype or layout"
+            self._why = "a parameter changed dtype or layout, or was set to None"
             return self._miss(args, {})
         out = prog.body(*args)
         self._install(prog)

@@ -106,6 +106,9 @@ class EntrySpec:
     error_slot: int = -1  # the table's word a kernel sets on a bad index: the call raises IndexError
     failed_slot: int = -1  # the table's word set when an ATen call of a native body fails (codegen/calls.py)
     memo_slots: tuple[int, ...] = ()  # where a native body reads its memoized results (the `memo` field's)
+    # (a module's `_parameters` or `_buffers`, a name, a parameter's tensor record): that the
+    # name there is still the record's tensor
+    owners: tuple[tuple[dict, str, int], ...] = ()
 
 
 def ref(slot: int) -> int:
@@ -124,11 +127,12 @@ _FIELDS = (
     "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
-    "failed_slot retry memo n_memo memo_slots"
+    "failed_slot retry memo n_memo memo_slots n_owners owners"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
 MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
+OWNER_WORDS = ("table", "name", "tensor")
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo", "hi")
@@ -177,6 +181,8 @@ class Descriptor:
         self._set_array("const_pos", "n_consts", [i for i, _ in spec.const_args])
         self.set("const_types", self._array([self._ref(type(v)) for _, v in spec.const_args]))
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
+        owners = [w for table, name, i in spec.owners for w in (self._ref(table), self._ref(sys.intern(name)), i)]
+        self._set_array("owners", "n_owners", owners, len(spec.owners))
         records = [w for i, t in enumerate(spec.tensors) for w in self._tensor(i, t)]
         # set_dispatch_state rewrites their dispatch keys
         self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
@@ -431,6 +437,8 @@ class _Runtime:
             self._check_tensor(b, d, args, i, table, grad_mode, require)
         with counted_loop(b, I64(0), f("n_modules")) as i:
             self._check_training(b, d, i, require)
+        with counted_loop(b, I64(0), f("n_owners")) as i:
+            self._check_owner(b, d, i, require)
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
         dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)
@@ -540,6 +548,15 @@ class _Runtime:
                 b.call(self.decref, [value])  # compared by identity (True, False) only
                 b.store(value, found)
         require(b.icmp_unsigned("==", b.load(found, typ=PTR), m("expected", PTR)))
+
+    def _check_owner(self, b: ll.IRBuilder, d: ll.Value, i: ll.Value, require: Callable) -> None:
+        """Owner record i: its module still registers, under its name, the parameter the tensor
+        record reads (rebind keeps the record's object the one registered now)."""
+        o = self.record(b, d, "owners", i, OWNER_WORDS)
+        get = self.mb.declare("PyDict_GetItemWithError", PTR, [PTR, PTR])
+        registered = b.call(get, [o("table", PTR), o("name", PTR)])  # borrowed, or NULL
+        t = self.record(b, d, "tensors", o("tensor"), TENSOR_WORDS)
+        require(b.icmp_unsigned("==", registered, t("obj", PTR)))
 
     def _check_settings(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """The process's settings the program's bits depend on are as compiled (a field of -1:

@@ -192,6 +192,7 @@ class Program:
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
         self._param_layouts = [_param_layout(p) for p in self.params]
+        self._owners = [guard.owners.get(id(p), ()) for p in self.params]  # (module's table, name)
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
         # Each ATen call, as native code would make it (codegen/calls.py), or why it would not
@@ -234,6 +235,9 @@ class Program:
         """
         if [_param_layout(p) for p in self.params] != self._param_layouts:
             return False
+        if any(table.get(name) is not p for p, where in zip(self.params, self._owners) for table, name in where):
+            return False  # a parameter set to None, or where it was registered, another
+
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return True
 
@@ -303,6 +307,8 @@ class Program:
                 words = self._words(inputs[i].meta) if self.family is not None and i in inputs else None
                 layout = (words.shape, words.stride) if words is not None else None
                 tensors.append(entry.TensorCheck(a, i, read.get(i, -1), True, layout))
+        first = len(tensors)  # the parameters' records follow the arguments'
+        owners = tuple((table, name, first + i) for i, where in enumerate(self._owners) for table, name in where)
         for name, p in zip(self.param_names, self.params):
             natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
             tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively))
@@ -345,6 +351,7 @@ class Program:
             error_slot=-1 if self.layout.error is None else self.layout.error,
             failed_slot=self.failed_slot,
             memo_slots=self.memo_slots,
+            owners=owners,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -549,6 +556,9 @@ class Guard:
     epoch: Any  # the wrapper's module-change counter (a ctypes int64 cell, api.Epoch)
     epoch_value: int  # and its value now
     names: tuple[str, ...] = ()  # the parameters' names, where a call may give them as keywords
+    # Where each parameter is registered (api._owners): `linear.bias = None` calls no hook, so
+    # the entry checks that each parameter a program reads is still its module's
+    owners: dict[int, tuple[tuple[dict, str], ...]] = field(default_factory=dict)
 
 
 def _free_dead(lines: list[str]) -> list[str]:

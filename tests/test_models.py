@@ -748,7 +748,40 @@ def test_changes_to_other_modules_do_not_recompile():
     assert compiled.compilations[-1].why == "the model's submodules were replaced"
     model[0].weight = nn.Parameter(torch.randn(64, 64).t())  # another layout: compiles again
     check_model(model, (x,), compiled=compiled)
-    assert compiled.compilations[-1].why == "a parameter changed dtype or layout"
+    assert compiled.compilations[-1].why == "a parameter changed dtype or layout, or was set to None"
+
+
+@pytest.mark.parametrize("where", ["linear", "conv", "norm"])
+def test_a_parameter_set_to_none_compiles_again(where):
+    # Setting a parameter to None calls no registration hook: the entry checks that each
+    # parameter a program reads is still registered where it was.
+    layer, x = {
+        "linear": (nn.Linear(8, 8), torch.randn(4, 8)),
+        "conv": (nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8)),
+        "norm": (nn.LayerNorm(8), torch.randn(4, 8)),
+    }[where]
+    model = nn.Sequential(layer, nn.ReLU()).eval()
+    compiled = braze.compile(model)
+    for _ in range(2):
+        check_model(model, (x,), compiled=compiled)
+    model[0].bias = None
+    for _ in range(2):
+        check_model(model, (x,), compiled=compiled)
+    assert [c.why for c in compiled.compilations][-1] == "a parameter changed dtype or layout, or was set to None"
+    model[0].bias = nn.Parameter(torch.randn(model[0].weight.shape[0]))  # set where None was
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.compilations) == 3
+
+
+def test_tied_weights_untied_by_replacing_one():
+    emb = nn.Embedding(10, 8)
+    head = nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight  # tied, as language models tie theirs
+    model = nn.Sequential(emb, head).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    compiled = check_model(model, (ids,))
+    head.weight = nn.Parameter(torch.randn(10, 8))  # the head's own from now on, the embedding's kept
+    check_model(model, (ids,), compiled=compiled)
 
 
 class RegistersInForward(nn.Module):
