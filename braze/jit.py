@@ -106,6 +106,8 @@ _SHIM = (
     "aoti_torch_create_tensor_from_blob",  # codegen/calls.py: ATen calls from native code
     "aoti_torch_call_dispatcher",
     "torch_new_stable_ivalue",
+    "torch_new_list_reserve_size",
+    "torch_list_push_back",
 )
 
 

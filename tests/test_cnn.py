@@ -242,3 +242,65 @@ def test_a_small_cnn_through_torchdynamo():
         compiled = check_model(model, (x,))
     externs = [label for program in compiled.programs() for label, _ in program.externs]
     assert externs == ["torch.conv2d", "torch.conv2d"]  # batch_norm, max_pool2d, the means: native
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_convolutions_are_atens_calls_made_from_the_native_body(threads):
+    model, before = _small_cnn(), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch in (1, 3):
+            x = torch.randn(batch, 3, 33, 31)
+            compiled = check_model(model, (x,), externs=2)
+            check_model(model, (x,), compiled=compiled)  # the entry's call
+            prog = compiled.programs()[-1]
+            assert prog.native and all(why.endswith("called from native code") for _, why in prog.externs)
+        strided = lambda x, w: F.relu(F.conv2d(x, w, stride=2, padding=1))  # noqa: E731  (ints given once)
+        compiled = check_model(strided, (torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)), externs=1)
+        assert compiled.programs()[-1].native
+    finally:
+        torch.set_num_threads(before)
+
+
+class _OwnForward(nn.Conv2d):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("change", ["hook", "padding by name", "own forward", "reflect padding", "parametrized"])
+def test_a_conv2d_layer_whose_call_is_more_than_its_convolution_stays_a_call_of_the_layer(change):
+    conv = {"own forward": _OwnForward, "padding by name": lambda *a: nn.Conv2d(*a, padding="same")}.get(
+        change, nn.Conv2d
+    )(3, 4, 3)
+    calls = []
+    if change == "hook":
+        conv.register_forward_hook(lambda *_: calls.append(1))
+    if change == "reflect padding":
+        conv.padding, conv.padding_mode = (1, 1), "reflect"
+    if change == "parametrized":
+        torch.nn.utils.parametrize.register_parametrization(conv, "weight", _Doubled())
+    model, x = nn.Sequential(conv, nn.ReLU()).eval(), torch.randn(2, 3, 8, 8)
+    compiled = check_model(model, (x,), externs=1)
+    ((label, _),) = compiled.programs()[-1].externs
+    # (a subclass of its own is traced through: its convolution is a call of torch.conv2d)
+    assert label.endswith("Conv2d)") or change == "own forward", label  # the layer, called
+    calls.clear()
+    check_model(model, (x,), compiled=compiled)
+    assert calls == ([1, 1] if change == "hook" else [])  # eager's call, then the program's
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+def test_a_convolution_reads_its_layers_weights_as_they_are_at_each_call():
+    model = _small_cnn()
+    x = torch.randn(2, 3, 16, 16)
+    compiled = check_model(model, (x,))
+    with torch.no_grad():
+        model[0].weight.data.mul_(2)  # in place, outside autograd's version counter
+        check_model(model, (x,), compiled=compiled)
+        model[4].weight = nn.Parameter(torch.randn_like(model[4].weight))  # replaced
+        model[4].bias = None
+        check_model(model, (x,), compiled=compiled)

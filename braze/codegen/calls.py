@@ -33,6 +33,7 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch._C._nn.scaled_dot_product_attention: ("aten::scaled_dot_product_attention", ""),
     torch.gather: ("aten::gather", ""),
     torch.Tensor.gather: ("aten::gather", ""),
+    torch.conv2d: ("aten::conv2d", ""),
 }
 
 NULL = ll.Constant(PTR, None)
@@ -43,7 +44,7 @@ class Arg:
     """One word of a call's stack: a tensor (`value` names it), None, or a number (an int may be
     a generic program's size); `boxed`: an optional's value, passed through a heap word."""
 
-    kind: str  # "tensor", "none", "int", "float", "bool"
+    kind: str  # "tensor", "none", "int", "float", "bool", "ints" (a tuple)
     value: Any = None
     boxed: bool = False
 
@@ -76,7 +77,7 @@ def plan(n: Node) -> Call | str:
     args = []
     for a in schema.arguments:
         value = given.pop(a.name) if a.name in given else a.default_value if a.has_default_value() else ...
-        arg = _arg(str(a.type), value)
+        arg = _arg(str(a.type), value, a.N or 1)
         if arg is None:
             return f"argument {a.name} ({a.type}) is not one native code passes"
         args.append(arg)
@@ -85,9 +86,15 @@ def plan(n: Node) -> Call | str:
     return Call(op, overload, tuple(args))
 
 
-def _arg(schema_type: str, value: Any) -> Arg | None:
+def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
+    """The stack word of an argument of type `schema_type` (`n`: a list's length, where fixed)."""
     optional = schema_type.startswith("Optional[")
     inner = schema_type.removeprefix("Optional[").removesuffix("]") if optional else schema_type
+    if inner == "List[int]" and not optional:  # int[2] given one int means it twice, as in Python
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+        if all(isinstance(v, (int, Expr)) and not isinstance(v, bool) for v in values):
+            return Arg("ints", values)
+        return None
     if value is None:
         return Arg("none") if optional else None
     if inner == "Tensor" and isinstance(getattr(value, "meta", None), torch.Tensor):
@@ -120,6 +127,8 @@ class CallEmitter:
         self.dispatch = d("aoti_torch_call_dispatcher", I32, [PTR, PTR, PTR])
         self.from_blob = d("aoti_torch_create_tensor_from_blob", I32, [PTR, I64, PTR, PTR, I64, I32, I32, I32, PTR])
         self.boxed = d("torch_new_stable_ivalue", I32, [PTR])
+        self.new_list = d("torch_new_list_reserve_size", I32, [I64, PTR])
+        self.push = d("torch_list_push_back", I32, [PTR, I64])
         self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
         self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
 
@@ -190,7 +199,19 @@ class CallEmitter:
             return I64(int(a.value))
         if a.kind == "int":
             return self.mb.dim(b, table, a.value)
+        if a.kind == "ints":
+            return self._list(b, table, a.value, fail)
         return self._tensor(b, table, self.mb.slot_of(a.value), fail)
+
+    def _list(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...], fail: ll.Block) -> ll.Value:
+        """A new list of ints (the dispatcher consumes it)."""
+        with b.goto_entry_block():
+            out = b.alloca(PTR)
+        self._require(b, b.icmp_signed("==", b.call(self.new_list, [I64(len(values)), out]), I32(0)), fail)
+        handle = b.load(out, typ=PTR)
+        for v in values:
+            self._require(b, b.icmp_signed("==", b.call(self.push, [handle, self.mb.dim(b, table, v)]), I32(0)), fail)
+        return b.ptrtoint(handle, I64)
 
     def _shape(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...]) -> ll.Value:
         with b.goto_entry_block():

@@ -22,10 +22,19 @@ from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
+_EXACT = "exact mode: ATen's convolution (oneDNN's; its bits are not reproduced)"
+
+
 def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     no_out(kwargs)
     if not lw.fast:
-        raise NotNative("exact mode: ATen's convolution (oneDNN's; its bits are not reproduced)")
+        if not _plain(fn) or kwargs or len(args) != 1:
+            raise NotNative(_EXACT)
+        # The layer's own call as torch.conv2d of its parameters: an ATen call that a native body
+        # makes itself (codegen/calls.py), the layer's weights read and checked like any other's
+        weight, bias = lw.param(fn.weight, "weight"), None if fn.bias is None else lw.param(fn.bias, "bias")
+        given = (args[0], weight, bias, fn.stride, fn.padding, fn.dilation, fn.groups)
+        return lw.extern(torch.conv2d, given, {}, "torch.conv2d (a Conv2d layer's)", _EXACT, out)
     if isinstance(fn, torch.nn.Conv2d):
         if fn.padding_mode != "zeros":
             raise NotNative("convolution with padding other than zeros")
@@ -60,6 +69,20 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
     why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
     return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
+
+
+def _plain(layer: Any) -> bool:
+    """An nn.Conv2d whose call is torch.conv2d of its own parameters and settings: its class's
+    forward, zeros padding given by numbers, no hooks, no parametrized weight."""
+    return (
+        isinstance(layer, torch.nn.Conv2d)
+        and type(layer).forward is torch.nn.Conv2d.forward
+        and type(layer)._conv_forward is torch.nn.Conv2d._conv_forward
+        and layer.padding_mode == "zeros"
+        and not isinstance(layer.padding, str)
+        and not (layer._forward_hooks or layer._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(layer))
+        and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+    )
 
 
 def pixel_rows(x: torch.Tensor, out: Any) -> bool:
