@@ -30,6 +30,7 @@ import torch
 from . import capture, config, debug, entry, signatures
 from .dims import Undecided
 from .lowering import Unsupported, lower
+from .lowering.core import hook_tables
 from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
 from .passes import run_passes
 from .runtime import Guard, Program
@@ -186,7 +187,11 @@ def build_program(
     # Every parameter, also those only an ATen call reads (an nn.Module run unchanged): in grad
     # mode, one that requires grad means autograd, which needs eager (as on the slow path).
     params = tuple(captured.root.parameters())
-    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, _owners(captured.root))
+    # The hooks of the layers the program calls or inlines, as many as now (a layer's hook added
+    # later is not in it: the entry then misses, and the program compiles again)
+    layers = {id(m): m for m in (*captured.traced, *lowered.called)}.values()
+    hooks = tuple((t, len(t)) for t in (*hook_tables(), *(t for m in layers for t in hook_tables(m))))
+    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, _owners(captured.root), hooks)
     prog = Program(lowered, graph, timings, guard, family)
     prog.pass_log = log
     prog.lowered = lowered
@@ -342,9 +347,10 @@ class CompiledFunction:
             return prog(*args)
         # The entry may have refused a call of this signature because the thread's dispatch
         # state changed (no_grad -> inference_mode, say): check the tensors again under this one.
-        if not prog.rearm(args):  # `.double()`, `linear.bias = None`: recompile
+        changed = prog.rearm(args)  # `.double()`, `linear.bias = None`, a hook added: recompile
+        if changed:
             self._cache.pop(key, None)
-            self._why = "a parameter changed dtype or layout, or was set to None"
+            self._why = changed
             return self._miss(args, {})
         out = prog.body(*args)
         self._install(prog)

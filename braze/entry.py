@@ -109,6 +109,7 @@ class EntrySpec:
     # (a module's `_parameters` or `_buffers`, a name, a parameter's tensor record): that the
     # name there is still the record's tensor
     owners: tuple[tuple[dict, str, int], ...] = ()
+    hooks: tuple[tuple[dict, int], ...] = ()  # forward hook tables, each to hold that many hooks
 
 
 def ref(slot: int) -> int:
@@ -127,12 +128,13 @@ _FIELDS = (
     "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
-    "failed_slot retry memo n_memo memo_slots n_owners owners"
+    "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
 MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
 OWNER_WORDS = ("table", "name", "tensor")
+HOOK_WORDS = ("table", "count")
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo", "hi")
@@ -183,6 +185,8 @@ class Descriptor:
         self.set("const_values", self._array([self._ref(v) for _, v in spec.const_args]))
         owners = [w for table, name, i in spec.owners for w in (self._ref(table), self._ref(sys.intern(name)), i)]
         self._set_array("owners", "n_owners", owners, len(spec.owners))
+        hooks = [w for table, n in spec.hooks for w in (self._ref(table), n)]
+        self._set_array("hooks", "n_hooks", hooks, len(spec.hooks))
         records = [w for i, t in enumerate(spec.tensors) for w in self._tensor(i, t)]
         # set_dispatch_state rewrites their dispatch keys
         self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
@@ -439,6 +443,10 @@ class _Runtime:
             self._check_training(b, d, i, require)
         with counted_loop(b, I64(0), f("n_owners")) as i:
             self._check_owner(b, d, i, require)
+        size = self.mb.declare("PyDict_Size", I64, [PTR])
+        with counted_loop(b, I64(0), f("n_hooks")) as i:  # no forward hook added or removed
+            h = self.record(b, d, "hooks", i, HOOK_WORDS)
+            require(b.icmp_signed("==", b.call(size, [h("table", PTR)]), h("count")))
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
         dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)

@@ -193,6 +193,7 @@ class Program:
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
         self._param_layouts = [_param_layout(p) for p in self.params]
         self._owners = [guard.owners.get(id(p), ()) for p in self.params]  # (module's table, name)
+        self._hooks = guard.hooks
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
         # Each ATen call, as native code would make it (codegen/calls.py), or why it would not
@@ -224,9 +225,9 @@ class Program:
         self.entry, self.body = self._build(spec, lowered)
 
     # --- per call state ----------------------------------------------------------------------
-    def rearm(self, args: tuple[Any, ...]) -> bool:
+    def rearm(self, args: tuple[Any, ...]) -> str:
         """Let `entry` accept these arguments (which match this signature) under the thread's
-        dispatch state now; False if a parameter no longer has its compiled layout.
+        dispatch state now; or say why the program no longer holds (it compiles again).
 
         The entry compares the thread's dispatch state and each tensor's dispatch keys with those
         it expects: a program compiled under no_grad and then called under inference_mode misses
@@ -234,12 +235,13 @@ class Program:
         fast path again.
         """
         if [_param_layout(p) for p in self.params] != self._param_layouts:
-            return False
+            return "a parameter changed dtype or layout"
         if any(table.get(name) is not p for p, where in zip(self.params, self._owners) for table, name in where):
-            return False  # a parameter set to None, or where it was registered, another
-
+            return "a parameter was set to None"
+        if any(len(table) != n for table, n in self._hooks):
+            return "a forward hook was added or removed"
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
-        return True
+        return ""
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Read `new` where the program read `old`: a parameter or buffer of the model replaced
@@ -352,6 +354,7 @@ class Program:
             failed_slot=self.failed_slot,
             memo_slots=self.memo_slots,
             owners=owners,
+            hooks=self._hooks,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -559,6 +562,7 @@ class Guard:
     # Where each parameter is registered (api._owners): `linear.bias = None` calls no hook, so
     # the entry checks that each parameter a program reads is still its module's
     owners: dict[int, tuple[tuple[dict, str], ...]] = field(default_factory=dict)
+    hooks: tuple[tuple[dict, int], ...] = ()  # forward hook tables and how many hooks each held
 
 
 def _free_dead(lines: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from torch.nn.modules.utils import _pair
 from .. import fast
 from ..ir import Op
 from . import gemm
-from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
+from .core import Lowerer, NotNative, Sym, hooked, is_float32, no_out, to_meta
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
@@ -80,8 +80,7 @@ def _plain(layer: Any) -> bool:
         and type(layer)._conv_forward is torch.nn.Conv2d._conv_forward
         and layer.padding_mode == "zeros"
         and not isinstance(layer.padding, str)
-        and not (layer._forward_hooks or layer._forward_pre_hooks or torch.nn.utils.parametrize.is_parametrized(layer))
-        and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+        and not (hooked(layer) or torch.nn.utils.parametrize.is_parametrized(layer))
     )
 
 

@@ -41,6 +41,18 @@ class Sym:
         return _strided(self.meta)
 
 
+def hook_tables(m: torch.nn.Module | None = None) -> tuple[dict, ...]:
+    """The forward hooks a call of layer m runs (None: those every layer's call runs)."""
+    if m is None:
+        return (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks)
+    return (m._forward_pre_hooks, m._forward_hooks)
+
+
+def hooked(m: torch.nn.Module) -> bool:
+    """Whether calling layer m runs forward hooks (its own, or global ones)."""
+    return any(hook_tables(m)) or any(hook_tables())
+
+
 def is_float32(x: Any) -> bool:
     """Whether x is a float32 tensor value of the graph (what braze's kernels compute on)."""
     return isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.float32
@@ -54,6 +66,7 @@ class Lowered:
     n_args: int  # positional arguments the program takes
     reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
     layout_read: frozenset[str] = frozenset()  # see Lowerer.layout_read
+    called: tuple[torch.nn.Module, ...] = ()  # the layers the graph calls (call_module)
 
 
 def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -98,6 +111,7 @@ class Lowerer:
         self.layout_read: set[str] = set()
         self.ops: dict[str, Op] = {}
         self.reads_training: list[torch.nn.Module] = []
+        self.called: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.real: dict[str, Any] = {}  # example value of each Sym (see example())
 
@@ -236,6 +250,7 @@ class Lowerer:
         args, kwargs = self._load(node.args), self._load(node.kwargs)
         if node.op == "call_module":
             mod = self.captured.root.get_submodule(node.target)
+            self.called.append(mod)
             return self.call(mod, args, kwargs, key=type(mod), label=f"{node.target} ({type(mod).__name__})")
         if node.op == "call_method":
             fn = getattr(torch.Tensor, node.target)
@@ -300,6 +315,8 @@ class Lowerer:
 
     def _native_or_extern(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str, out: Any, sizes: bool) -> Any:
         why = "no native lowering"
+        if isinstance(fn, torch.nn.Module) and hooked(fn):
+            return self.extern(fn, args, kwargs, label, "a layer with forward hooks: its own call runs them", out)
         if sizes and not _among(fn, _VIEWS):  # made once per sizes (passes.memoize), not per call
             return self.extern(fn, args, kwargs, label, "its inputs follow from the sizes alone", out)
         if key in LOWERINGS and not config.disable_native:
@@ -356,7 +373,7 @@ class Lowerer:
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
         reads = frozenset(self.layout_read)
-        return Lowered(graph, spec, out_leaves, n_args, tuple(self.reads_training), reads)
+        return Lowered(graph, spec, out_leaves, n_args, tuple(self.reads_training), reads, tuple(self.called))
 
     def _in_eager_layouts(self, result: Any) -> Any:
         """Fast mode keeps activations channels-last between convolutions where eager's are NCHW:
