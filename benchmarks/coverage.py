@@ -6,7 +6,7 @@
     python benchmarks/coverage.py falcon,bart     # by name
 
 For each model: exact mode against eager (`torch.equal`, at two input shapes), what braze ran
-eagerly (its warnings), how many programs and ATen calls, the first call's time, and fast mode's
+eagerly (its warnings), how many programs (and native bodies) and ATen calls, the first call's time, and fast mode's
 accuracy contract (braze.check_accuracy). Not a test (too slow for the suite): a sweep to rerun
 after changes to capture or lowering. torchvision's and timm's models are skipped where those
 packages cannot be imported.
@@ -209,6 +209,7 @@ def check(name: str) -> str:
     eagerly = sorted({str(w.message)[:100] for w in caught if issubclass(w.category, braze.BrazeWarning)})
     programs = compiled.programs()
     aten = sum(len(p.externs) for p in programs)
+    native = sum(p.native for p in programs)  # one native body, its ATen calls made from it
     try:
         acc = braze.check_accuracy(model, *calls[0], mode="fast")
         fast = (
@@ -218,7 +219,8 @@ def check(name: str) -> str:
         fast = f"fast RAISED {type(e).__name__}: {str(e)[:100]}"
     ran = f"; ran eagerly: {eagerly}" if eagerly else ""
     return (
-        f"{name:20s} exact {exact}, {len(programs)} programs, {aten} ATen calls, first call {first:.2f} s; {fast}{ran}"
+        f"{name:20s} exact {exact}, {len(programs)} programs ({native} native bodies), {aten} ATen calls, "
+        f"first call {first:.2f} s; {fast}{ran}"
     )
 
 

@@ -194,7 +194,6 @@ def build_program(
     guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, _owners(captured.root), hooks)
     prog = Program(lowered, graph, timings, guard, family)
     prog.pass_log = log
-    prog.lowered = lowered
     prog.captured_graph = captured.graph
     return prog
 

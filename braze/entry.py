@@ -5,10 +5,12 @@ Every program has two CPython-callable native functions:
 - `entry(*args, **kwargs)` is what a call of a compiled model runs. It checks the call against
   the specialisation (the guard), then runs `body`, or hands the whole call to `on_miss` (the
   wrapper's slow path, which recompiles or runs eagerly);
-- `body(*args)` runs the program unchecked: natively, when every node is native code and every
-  output is a fresh tensor (it reads the data pointers, allocates the outputs with ATen's
-  allocator, releases the GIL around the kernels and wraps the outputs as Python tensors); else
-  by calling the program's generated Python body, which makes the ATen calls.
+- `body(*args)` runs the program unchecked: natively, when its ATen calls are all of ops native
+  code calls itself (codegen/calls.py) or made once per sizes, and every output is a fresh
+  tensor (it takes the results made once per sizes from the program's Python function, reads
+  the data pointers, allocates the outputs with ATen's allocator, releases the GIL around the
+  kernels and ATen calls and wraps the outputs as Python tensors); else by calling the
+  program's generated Python body, which makes the ATen calls.
 
 Both are the same two functions for every program, `braze_entry` and `braze_body` (which share
 `braze_run`), built once per process (when braze is imported); a program passes them its
@@ -17,7 +19,9 @@ kernels and two trampolines that pass its descriptor.
 
 The guard checks, for every tensor argument and every parameter native code reads: its type, its
 dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
-dtype, sizes and strides; and the thread's dispatch state (two words: dispatch modes, functorch
+dtype, sizes and strides, and that each parameter is still registered where it was (setting one
+to None calls no hook); that the forward hook tables of the layers the program calls or inlines
+hold as many hooks as when compiled; and the thread's dispatch state (two words: dispatch modes, functorch
 transforms, autocast, inference mode), so that native code runs only where eager would run
 the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul precision (and
 MKL's thread count, where a GEMM runs on one thread). Tensors are read through ATen's C shim (the

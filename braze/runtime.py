@@ -177,6 +177,7 @@ class Program:
         family: Family | None = None,
     ) -> None:
         self.graph = graph
+        self.lowered = lowered  # (explain's IR after lowering; a native body's Python body, made if needed)
         self.nodes = graph.node_map()
         self.layout = _layout(graph)
         # A shape-generic program (see lowering/generic.py): its symbols' slots follow the
@@ -267,7 +268,7 @@ class Program:
         compiled): run this call through the program's Python body (made the first time), which
         makes the same calls from Python: it raises what eager raises, or goes stale."""
         if self._body_globals is None:
-            self._python_body(self._lowered)
+            self._python_body(self.lowered)
         assert self._body_globals is not None
         return self._body_globals["body"](*args)
 
@@ -393,7 +394,6 @@ class Program:
         self._fns = [_VOID_FN(addr[f.name]) for f in segs]
         if self.native:  # one segment, or the segments and ATen calls in turn
             run = addr[runs[0]] if runs else addr[segs[0].name] if segs else 0
-            self._lowered = lowered if runs else None  # for a failed call's Python body (_in_python)
         else:
             python_body = self._python_body(lowered)
         self._descriptor = entry.Descriptor(spec, MISS, python_body, run)
