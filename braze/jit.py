@@ -146,7 +146,7 @@ def _bind_symbols() -> None:
         llvm.add_symbol(name, _address(cpu, name))
     for name in (REQUIRES_GRAD, DEFAULT_DTYPE, TLS_GUARD, TLS_GUARD_END):
         llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))
-    for name in ("aligned_alloc", "free"):
+    for name in ("aligned_alloc", "free", "madvise"):
         llvm.add_symbol(name, _address(libc, name))
     _check_tensor_layout(cpu)
 

@@ -197,18 +197,16 @@ class Program:
         self._hooks = guard.hooks
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
-        # Each ATen call, as native code would make it (codegen/calls.py), or why it would not
-        self.calls = {n.name: plan(n) for n in graph.nodes if n.op is Op.EXTERN}
+        # Each ATen call, as native code would make it (codegen/calls.py), or why it would not;
+        # but the memoized ones, made from Python once per sizes (see _memo_function)
+        self.calls = {n.name: plan(n) for n in graph.nodes if n.op is Op.EXTERN and not n.attrs.get("memo")}
         self.timings = list(timings)
         self.scratch_views: list[str] = []
         self.segments = _segments(graph)
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
-        # (memoized calls are made from Python once per sizes: see _memo_function)
-        memo = {n.name for n in graph.nodes if n.attrs.get("memo")}
-        natively = all(isinstance(c, Call) for name, c in self.calls.items() if name not in memo)
+        natively = all(isinstance(c, Call) for c in self.calls.values())
         self.native = natively and _native_outputs(lowered, fresh)
-        self.calls = {name: c for name, c in self.calls.items() if name not in memo}
         self.externs = [(n.attrs["label"], _why(n, self.native)) for n in graph.nodes if n.op is Op.EXTERN]
         if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
             raise NotGeneric("it returns a size as a number")
@@ -356,6 +354,7 @@ class Program:
             memo_slots=self.memo_slots,
             owners=owners,
             hooks=self._hooks,
+            huge_scratch=config.huge_scratch,
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
@@ -409,8 +408,9 @@ class Program:
         return run_fn, body
 
     def _run(self, mb: ModuleBuilder, segs: list[Any]) -> str:
-        """A native body with ATen calls: its segments and calls in graph order, each call's
-        result freed after the last step that reads it."""
+        """A native body with ATen calls, or of several segments (memoized calls split them): its
+        segments and calls in graph order, each call's result freed after the last step that
+        reads it."""
         seg_of = {s.kernels[-1].name: (i, s) for i, s in enumerate(self.segments)}
         steps: list[Step] = []
         reads: list[set[str]] = []

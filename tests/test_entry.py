@@ -369,3 +369,15 @@ def test_aten_results_and_argument_handles_are_freed():
     small = braze.compile(lambda x, i: torch.gather(x, 0, i) + 1)
     x, i = torch.randn(3), torch.tensor([2, 0])
     assert _grown_mb(lambda x: small(x, i), x, 100_000) < 4  # lost handles: ~100 bytes each a call
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 20])
+def test_large_kept_scratch_goes_on_huge_pages(threshold):
+    model, x = mlp(), torch.randn(4096, 16)  # 4096 x 32 floats a buffer: 0.5 MB each
+    with braze.config.patch(huge_scratch=threshold):
+        compiled, prog = compiled_for(model, x)
+        check_model(model, (x,), compiled=compiled)  # the entry's call: the kept memory
+    words = prog._descriptor.words
+    assert sum(prog.layout.scratch_bytes.values()) >= 1 << 20 and words[W["kept"]]
+    huge = words[W["kept"]] % (2 << 20) == 0 and words[W["capacity"]] >= 1 << 20
+    assert huge or not threshold
