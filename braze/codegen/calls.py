@@ -12,8 +12,9 @@ bits.
 
 The result's layout (dtype, sizes, strides) is checked against the one compiled for; on a
 mismatch, or an error the op raised, the run stops, sets the table's `failed` word, and the call
-is handed back to the wrapper (runtime.Program._went_stale), which compiles again or runs eagerly
-and so raises what eager raises. A result's handle is freed after the last step that reads it.
+runs again through the program's Python body (runtime.Program._in_python), which raises what
+eager raises, or goes stale and compiles again. A result's handle is freed after the last step
+that reads it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def plan(n: Node) -> Call | str:
     if not isinstance(n.meta, TensorMeta) or n.attrs.get("store") != "extern":
         return "its result is not one tensor of its own"
     op, overload = DISPATCHED[fn]
-    schema = getattr(torch.ops.aten, op.removeprefix("aten::")).default._schema
+    schema = getattr(getattr(torch.ops.aten, op.removeprefix("aten::")), overload or "default")._schema
     given = dict(zip((a.name for a in schema.arguments), n.attrs["args"]))
     if len(n.attrs["args"]) > len(schema.arguments) or given.keys() & n.attrs["kwargs"].keys():
         return "its arguments do not fit the op's schema"
