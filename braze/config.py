@@ -44,9 +44,11 @@ one_thread_gemm_flops: int = _env_int("BRAZE_ONE_THREAD_GEMM_FLOPS", 1 << 19)
 # of operations (gemmkernel.py) where its probe gives eager's bits; 0: always MKL's sgemm_.
 own_gemm: bool = bool(_env_int("BRAZE_OWN_GEMM", 1))
 # A program whose kept scratch buffers take at least this many bytes gets them on 2 MB pages
-# (transparent huge pages, asked for with madvise): bert-tiny 1.03x, transformer-layer 1.02x
-# faster, the other bench models unchanged (one process, interleaved). 0: never.
-huge_scratch: int = _env_int("BRAZE_HUGE_SCRATCH", 1 << 20)
+# (transparent huge pages, asked for with madvise). On 4 KB pages, the thread with the upper half
+# of a GEMM's rows ran 10-20% longer (a Linear 128 -> 512 + GELU + Linear on 256 rows: 472 us a
+# call, 422 us on huge pages, its threads then even); bert-tiny 1.03-1.05x, transformer-layer
+# 1.02x faster, the other bench models unchanged (one process, interleaved). 0: never.
+huge_scratch: int = _env_int("BRAZE_HUGE_SCRATCH", 1 << 18)
 # Set to 1 to skip native code entirely (every op goes through ATen); a debugging aid.
 disable_native: bool = bool(_env_int("BRAZE_DISABLE_NATIVE", 0))
 # Programs compiled with this set count the CPU cycles their BLAS calls take (timing.split uses
