@@ -21,12 +21,12 @@ The guard checks, for every tensor argument and every parameter native code read
 dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
 dtype, sizes and strides, and that each parameter is still registered where it was (setting one
 to None calls no hook); that the forward hook tables of the layers the program calls or inlines
-hold as many hooks as when compiled; and the thread's dispatch state (two words: dispatch modes, functorch
-transforms, autocast, inference mode), so that native code runs only where eager would run
-the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul precision (and
-MKL's thread count, where a GEMM runs on one thread). Tensors are read through ATen's C shim (the
-`aoti_torch_*` functions of libtorch) where it has a getter; a Python tensor object holds its
-at::Tensor at jit.TENSOR_OFFSET.
+hold as many hooks as when compiled; and the thread's dispatch state (two words: dispatch
+modes, functorch transforms, autocast, inference mode), so that native code runs only where
+eager would run the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul
+precision (and MKL's thread count, where a GEMM runs on one thread). Tensors are read through
+ATen's C shim (the `aoti_torch_*` functions of libtorch) where it has a getter; a Python tensor
+object holds its at::Tensor at jit.TENSOR_OFFSET.
 """
 
 from __future__ import annotations
