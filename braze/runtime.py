@@ -236,7 +236,7 @@ class Program:
         if [_param_layout(p) for p in self.params] != self._param_layouts:
             return "a parameter changed dtype or layout"
         if any(table.get(name) is not p for p, where in zip(self.params, self._owners) for table, name in where):
-            return "a parameter was set to None"
+            return "a parameter is no longer registered where it was"  # set to None, or a tied one replaced
         if any(len(table) != n for table, n in self._hooks):
             return "a forward hook was added or removed"
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)

@@ -30,9 +30,9 @@ def program(compiled: braze.CompiledModule) -> braze.runtime.Program:
     return prog
 
 
-def compiled_for(model: nn.Module, x: torch.Tensor) -> tuple[braze.CompiledModule, braze.runtime.Program]:
+def compiled_for(model: nn.Module, *args: torch.Tensor) -> tuple[braze.CompiledModule, braze.runtime.Program]:
     compiled = braze.compile(model)
-    check_model(model, (x,), compiled=compiled)
+    check_model(model, args, compiled=compiled)
     return compiled, program(compiled)
 
 
@@ -310,7 +310,7 @@ def test_aten_calls_of_dispatched_ops_run_from_the_native_body(causal, threads):
     try:
         for t in (1, 7, 33):
             x, mask = torch.randn(2, t, 16), torch.randn(2, 1, t, t)
-            compiled, prog = compiled_for_args(model, (x, mask))
+            compiled, prog = compiled_for(model, x, mask)
             assert prog.native and prog._body_globals is None  # no Python body made
             for _ in range(2):  # the second call takes the entry
                 check_model(model, (x, mask), compiled=compiled)
@@ -321,15 +321,9 @@ def test_aten_calls_of_dispatched_ops_run_from_the_native_body(causal, threads):
         torch.set_num_threads(before)
 
 
-def compiled_for_args(model: nn.Module, args: tuple) -> tuple[braze.CompiledModule, braze.runtime.Program]:
-    compiled = braze.compile(model)
-    check_model(model, args, compiled=compiled)
-    return compiled, program(compiled)
-
-
 def test_a_failing_aten_call_raises_what_eager_raises_without_recompiling():
     model, x, mask = _Attention(False).eval(), torch.randn(2, 5, 16), torch.randn(2, 1, 5, 5)
-    compiled, prog = compiled_for_args(model, (x, mask))
+    compiled, prog = compiled_for(model, x, mask)
     assert prog.native
     with torch.no_grad():
         model.order[0, 1] = 9  # out of range for gather: the call raises inside the native body
@@ -347,7 +341,7 @@ def test_an_aten_result_laid_out_otherwise_than_compiled_goes_stale():
     # ATen's math attention (chosen by the setting) returns another layout than its flash
     # attention: the native body's check sees it, and the call is compiled again.
     model, x, mask = _Attention(False).eval(), torch.randn(2, 5, 16), torch.randn(2, 1, 5, 5)
-    compiled, _ = compiled_for_args(model, (x, mask))
+    compiled, _ = compiled_for(model, x, mask)
     with sdpa_kernel(SDPBackend.MATH):
         for _ in range(2):
             check_model(model, (x, mask), compiled=compiled)
