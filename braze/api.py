@@ -33,7 +33,7 @@ from .lowering import Unsupported, lower
 from .lowering.core import hook_tables
 from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
 from .passes import run_passes
-from .runtime import Guard, Program
+from .runtime import ATTRIBUTE_CHANGED, Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
 # "exact": eager's bits (torch.equal); "fast": faster kernels where they win, within the accuracy
@@ -189,9 +189,10 @@ def build_program(
     params = tuple(captured.root.parameters())
     # The hooks of the layers the program calls or inlines, as many as now (a layer's hook added
     # later is not in it: the entry then misses, and the program compiles again)
-    layers = {id(m): m for m in (*captured.traced, *lowered.called)}.values()
+    layers = {id(m): m for m in (captured.root, *captured.traced, *lowered.called)}.values()
     hooks = tuple((t, len(t)) for t in (*hook_tables(), *(t for m in layers for t in hook_tables(m))))
-    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, _owners(captured.root), hooks)
+    owners = _owners(captured.root)
+    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, owners, hooks, tuple(layers))
     prog = Program(lowered, graph, timings, guard, family)
     prog.pass_log = log
     prog.captured_graph = captured.graph
@@ -349,6 +350,8 @@ class CompiledFunction:
         changed = prog.rearm(args)  # `.double()`, `linear.bias = None`, a hook added: recompile
         if changed:
             self._cache.pop(key, None)
+            if changed == ATTRIBUTE_CHANGED:  # `layer.alpha = 2.0`: forward may read it otherwise
+                self._reset()
             self._why = changed
             return self._miss(args, {})
         out = prog.body(*args)

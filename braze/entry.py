@@ -21,12 +21,14 @@ The guard checks, for every tensor argument and every parameter native code read
 dispatch keys (one word of its TensorImpl: device, layout, lazy negation, functorch wrappers),
 dtype, sizes and strides, and that each parameter is still registered where it was (setting one
 to None calls no hook); that the forward hook tables of the layers the program calls or inlines
-hold as many hooks as when compiled; and the thread's dispatch state (two words: dispatch
-modes, functorch transforms, autocast, inference mode), so that native code runs only where
-eager would run the plain CPU kernels; and, for a program with GEMMs, ATen's float32 matmul
-precision (and MKL's thread count, where a GEMM runs on one thread). Tensors are read through
-ATen's C shim (the `aoti_torch_*` functions of libtorch) where it has a getter; a Python tensor
-object holds its at::Tensor at jit.TENSOR_OFFSET.
+hold as many hooks as when compiled, and those layers' attribute dictionaries are at the
+versions they were (CPython 3.11's dict version tag: `layer.alpha = 2.0` changes it; the slow
+path then captures again where an attribute but the training flag changed); and the thread's
+dispatch state (two words: dispatch modes, functorch transforms, autocast, inference mode), so
+that native code runs only where eager would run the plain CPU kernels; and, for a program with
+GEMMs, ATen's float32 matmul precision (and MKL's thread count, where a GEMM runs on one
+thread). Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch)
+where it has a getter; a Python tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .codegen import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, counted_loop
 from .ir import TensorMeta
 from .jit import (
     DEFAULT_DTYPE,
+    DICT_VERSION_OFFSET,
     FN_MODE,
     FP32_PRECISION,
     GLOBAL_CONTEXT,
@@ -115,6 +118,7 @@ class EntrySpec:
     owners: tuple[tuple[dict, str, int], ...] = ()
     hooks: tuple[tuple[dict, int], ...] = ()  # forward hook tables, each to hold that many hooks
     huge_scratch: int = 0  # kept scratch of at least this many bytes goes on 2 MB pages (0: never)
+    versions: tuple[tuple[dict, int], ...] = ()  # layers' dictionaries and their versions (jit.dict_version)
 
 
 def ref(slot: int) -> int:
@@ -133,13 +137,14 @@ _FIELDS = (
     "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
-    "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks huge"
+    "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks huge n_versions versions"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
 MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
 OWNER_WORDS = ("table", "name", "tensor")
 HOOK_WORDS = ("table", "count")
+VERSION_WORDS = ("dict", "version")
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo", "hi")
@@ -192,6 +197,9 @@ class Descriptor:
         self._set_array("owners", "n_owners", owners, len(spec.owners))
         hooks = [w for table, n in spec.hooks for w in (self._ref(table), n)]
         self._set_array("hooks", "n_hooks", hooks, len(spec.hooks))
+        # (a version tag is unsigned, a word signed: the same 64 bits)
+        versions = [w for d, v in spec.versions for w in (self._ref(d), ctypes.c_int64(v).value)]
+        self.versions = self._set_array("versions", "n_versions", versions, len(spec.versions))
         records = [w for i, t in enumerate(spec.tensors) for w in self._tensor(i, t)]
         # set_dispatch_state rewrites their dispatch keys
         self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
@@ -454,6 +462,10 @@ class _Runtime:
         with counted_loop(b, I64(0), f("n_hooks")) as i:  # no forward hook added or removed
             h = self.record(b, d, "hooks", i, HOOK_WORDS)
             require(b.icmp_signed("==", b.call(size, [h("table", PTR)]), h("count")))
+        with counted_loop(b, I64(0), f("n_versions")) as i:  # no layer's attribute set since
+            v = self.record(b, d, "versions", i, VERSION_WORDS)
+            tag = b.load(b.gep(v("dict", PTR), [I64(DICT_VERSION_OFFSET)], source_etype=I8), typ=I64)
+            require(b.icmp_unsigned("==", tag, v("version")))
         fn_mode = b.call(self.mb.declare(FN_MODE, I8, []), [])
         require(b.icmp_unsigned("==", fn_mode, I8(0)))
         dtype = b.sext(b.call(self.mb.declare(DEFAULT_DTYPE, I8, []), []), I64)

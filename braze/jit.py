@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -40,6 +41,8 @@ _state: dict[int, tuple[llvm.ExecutionEngine, llvm.TargetMachine]] = {}
 # KEYSET_OFFSET. Both are checked at start-up.
 TENSOR_OFFSET = 16
 KEYSET_OFFSET = 168
+# CPython 3.11's dict: its version tag (PEP 509), bumped by every change of a value, at this offset
+DICT_VERSION_OFFSET = 24 if sys.version_info[:2] == (3, 11) else -1
 # The C++ functions braze calls, by their mangled names:
 WRAP = "_Z16THPVariable_WrapON2at10TensorBaseE"  # THPVariable_Wrap(at::TensorBase&&): a Python tensor
 REQUIRES_GRAD = "_ZNK3c1010TensorImpl13requires_gradEv"  # TensorImpl::requires_grad() const
@@ -149,6 +152,25 @@ def _bind_symbols() -> None:
     for name in ("aligned_alloc", "free", "madvise"):
         llvm.add_symbol(name, _address(libc, name))
     _check_tensor_layout(cpu)
+
+
+def dict_version(d: dict) -> int | None:
+    """d's version tag (native code reads it at DICT_VERSION_OFFSET); None where this CPython has
+    none, or it does not move as expected."""
+    return ctypes.c_uint64.from_address(id(d) + DICT_VERSION_OFFSET).value if _dict_versions() else None
+
+
+@functools.cache
+def _dict_versions() -> bool:
+    if DICT_VERSION_OFFSET < 0:
+        return False
+    d: dict = {"x": True}
+    read = lambda: ctypes.c_uint64.from_address(id(d) + DICT_VERSION_OFFSET).value  # noqa: E731
+    before = read()
+    d["x"] = True  # the same value: no change
+    same = read()
+    d["x"] = False
+    return before == same != read()
 
 
 def _check_tensor_layout(cpu: ctypes.CDLL) -> None:

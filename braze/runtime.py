@@ -33,7 +33,7 @@ from .codegen import Access, ModuleBuilder, Segment
 from .codegen.calls import Call, CallEmitter, Step, plan
 from .dims import Dim, Expr, value
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module, matmul_precision, mkl_threads, pyfunction, shim_constant
+from .jit import compile_module, dict_version, matmul_precision, mkl_threads, pyfunction, shim_constant
 from .lowering import Lowered, Sym
 from .lowering.generic import Family, NotGeneric
 
@@ -195,6 +195,7 @@ class Program:
         self._param_layouts = [_param_layout(p) for p in self.params]
         self._owners = [guard.owners.get(id(p), ()) for p in self.params]  # (module's table, name)
         self._hooks = guard.hooks
+        self._attributes = [(m.__dict__, _attributes(m)) for m in guard.layers if dict_version(m.__dict__) is not None]
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
         # Each ATen call, as native code would make it (codegen/calls.py), or why it would not;
@@ -239,6 +240,10 @@ class Program:
             return "a parameter is no longer registered where it was"  # set to None, or a tied one replaced
         if any(len(table) != n for table, n in self._hooks):
             return "a forward hook was added or removed"
+        if any(_attributes(d) != was for d, was in self._attributes):
+            return ATTRIBUTE_CHANGED
+        for i, (d, _) in enumerate(self._attributes):  # (another training flag: the entry checks those it needs)
+            self._descriptor.versions[2 * i + 1] = dict_version(d)
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return ""
 
@@ -354,6 +359,7 @@ class Program:
             memo_slots=self.memo_slots,
             owners=owners,
             hooks=self._hooks,
+            versions=tuple((d, dict_version(d)) for d, _ in self._attributes),
             huge_scratch=config.huge_scratch,
         )
 
@@ -537,6 +543,17 @@ def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[s
     return {prog.layout.owner[n] for n in names if n in prog.layout.owner}
 
 
+ATTRIBUTE_CHANGED = "a layer's attribute changed"  # (the traced graph read it: capture again)
+
+
+def _attributes(layer: torch.nn.Module | dict) -> dict:
+    """A layer's own attributes but its training flag (whose reads the entry checks itself), each
+    compared by identity, or by value where it is a number, a string or a tuple of them."""
+    d = layer if isinstance(layer, dict) else layer.__dict__
+    plain = (int, float, str, bool, type(None), tuple)
+    return {k: (v if isinstance(v, plain) else id(v)) for k, v in d.items() if k != "training"}
+
+
 def _memo_read(prog: Program) -> list[str]:
     """The memoized ATen results that the program's other nodes, or its native code, read."""
     owner, g = prog.layout.owner, prog.graph
@@ -563,6 +580,9 @@ class Guard:
     # the entry checks that each parameter a program reads is still its module's
     owners: dict[int, tuple[tuple[dict, str], ...]] = field(default_factory=dict)
     hooks: tuple[tuple[dict, int], ...] = ()  # forward hook tables and how many hooks each held
+    # The layers the program calls or inlines: their attributes (alpha, stride) were read as
+    # constants; the entry watches their dictionaries' versions (see Program._attributes)
+    layers: tuple[torch.nn.Module, ...] = ()
 
 
 def _free_dead(lines: list[str]) -> list[str]:

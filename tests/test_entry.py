@@ -95,9 +95,12 @@ def test_the_guard_refuses_what_the_program_was_not_compiled_for():
         ]:
             assert prog.entry(*args, **kwargs) is MISS, (args, kwargs)
         assert_same(prog.entry(input=x), model(x))  # keywords naming the parameters: bound natively
-        model.train()  # no module of this model reads its flag: the program still holds
+        model.train()  # no module of this model reads its flag: the program still holds, once the
+        assert prog.entry(x) is MISS  # slow path has seen that nothing else of the layers changed
+        assert prog.rearm((x,)) == ""
         assert_same(prog.entry(x), model(x))
         model.eval()
+        assert prog.rearm((x,)) == ""
         with torch.device("cpu"):  # a TorchFunctionMode
             assert prog.entry(x) is MISS
         with _PassThrough():  # a TorchDispatchMode

@@ -905,3 +905,32 @@ def test_forward_hooks_run_as_eager_runs_them(when, kind):
     finally:
         if handle is not None:
             handle.remove()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.alpha, self.relu = nn.Linear(8, 8), 0.5, True
+
+    def forward(self, x):
+        y = self.fc(x) * self.alpha
+        return y.relu() if self.relu else y
+
+
+def test_a_layers_attribute_set_after_compiling_is_traced_again():
+    # torch.fx read `alpha`, `relu` and the layer's own settings as constants: the entry watches
+    # each traced or called layer's attributes (its dictionary's version), and a change captures again.
+    model, x = _Scaled().eval(), torch.randn(4, 8)
+    compiled = check_model(model, (x,))
+    for change in ({"alpha": 2.0}, {"relu": False}):
+        for name, value in change.items():
+            setattr(model, name, value)
+        for _ in range(2):
+            check_model(model, (x,), compiled=compiled)
+        assert compiled.compilations[-1].why == "a layer's attribute changed"
+    n = len(compiled.compilations)
+    model.alpha = 2.0  # the same value again, and flags flipped and back: nothing to compile
+    model.train()
+    model.eval()
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.compilations) == n
