@@ -66,6 +66,7 @@ from .jit import (
     compile_module,
     default_dtype,
     define_symbols,
+    dict_version,
     dispatch_keys,
     shim_constant,
     tls_dispatch_words,
@@ -197,9 +198,10 @@ class Descriptor:
         self._set_array("owners", "n_owners", owners, len(spec.owners))
         hooks = [w for table, n in spec.hooks for w in (self._ref(table), n)]
         self._set_array("hooks", "n_hooks", hooks, len(spec.hooks))
-        # (a version tag is unsigned, a word signed: the same 64 bits)
-        versions = [w for d, v in spec.versions for w in (self._ref(d), ctypes.c_int64(v).value)]
-        self.versions = self._set_array("versions", "n_versions", versions, len(spec.versions))
+        self._versioned = [d for d, _ in spec.versions]
+        words = [w for d in self._versioned for w in (id(d), 0)]
+        self._versions = self._set_array("versions", "n_versions", words, len(self._versioned))
+        self._set_versions([v for _, v in spec.versions])
         records = [w for i, t in enumerate(spec.tensors) for w in self._tensor(i, t)]
         # set_dispatch_state rewrites their dispatch keys
         self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
@@ -242,6 +244,14 @@ class Descriptor:
                 base = i * len(TENSOR_WORDS)
                 self.tensors[base + TENSOR_WORDS.index("obj")] = id(new)
                 self.tensors[base + TENSOR_WORDS.index("keys")] = dispatch_keys(new)
+
+    def refresh_versions(self) -> None:
+        """Expect the watched dictionaries' versions as they are now."""
+        self._set_versions([dict_version(d) for d in self._versioned])
+
+    def _set_versions(self, versions: list[int | None]) -> None:
+        for i, v in enumerate(versions):  # (a version tag is unsigned, a word signed: the same 64 bits)
+            self._versions[i * len(VERSION_WORDS) + VERSION_WORDS.index("version")] = ctypes.c_int64(v or 0).value
 
     def set(self, name: str, value: int) -> None:
         self.words[W[name]] = value
@@ -777,7 +787,7 @@ class _Runtime:
             failed = b.load(self.item(b, table, failed_slot), typ=PTR)
             with b.if_then(b.icmp_unsigned("!=", failed, NULL)):
                 self._free_outputs(b, d, handles)
-                b.ret(b.call(self.vectorcall, [f("retry", PTR), args, nargs, NULL]))
+                self._retry(b, d, args, nargs)
         bad_index = fn.append_basic_block("bad_index")
         done = fn.append_basic_block("done")
         flagged = self._alloca(b, ll.IntType(1))
@@ -816,7 +826,7 @@ class _Runtime:
             n = self.field(b, d, "n_memo")
             with b.if_then(b.icmp_signed("!=", b.call(self.mb.declare("PyTuple_Size", I64, [PTR]), [results]), n)):
                 b.call(self.decref, [results])
-                b.ret(b.call(self.vectorcall, [self.field(b, d, "retry", PTR), args, nargs, NULL]))
+                self._retry(b, d, args, nargs)
             b.store(results, held)
             item = self.mb.declare("PyTuple_GetItem", PTR, [PTR, I64])
             with counted_loop(b, I64(0), n) as k:
@@ -824,6 +834,10 @@ class _Runtime:
                 slot = self.word(b, self.field(b, d, "memo_slots", PTR), k)
                 b.call(self.data_ptr, [tensor, self.item(b, table, slot)])
         return b.load(held, typ=PTR)
+
+    def _retry(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, nargs: ll.Value) -> None:
+        """Return what the descriptor's `retry` (the program's Python body) gives for the call."""
+        b.ret(b.call(self.vectorcall, [self.field(b, d, "retry", PTR), args, nargs, NULL]))
 
     def _free_outputs(self, b: ll.IRBuilder, d: ll.Value, handles: ll.Value) -> None:
         """Free the outputs allocated so far (NULL handles are deleted as no-ops)."""

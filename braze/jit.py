@@ -157,7 +157,11 @@ def _bind_symbols() -> None:
 def dict_version(d: dict) -> int | None:
     """d's version tag (native code reads it at DICT_VERSION_OFFSET); None where this CPython has
     none, or it does not move as expected."""
-    return ctypes.c_uint64.from_address(id(d) + DICT_VERSION_OFFSET).value if _dict_versions() else None
+    return _version_tag(d) if _dict_versions() else None
+
+
+def _version_tag(d: dict) -> int:
+    return ctypes.c_uint64.from_address(id(d) + DICT_VERSION_OFFSET).value
 
 
 @functools.cache
@@ -165,12 +169,11 @@ def _dict_versions() -> bool:
     if DICT_VERSION_OFFSET < 0:
         return False
     d: dict = {"x": True}
-    read = lambda: ctypes.c_uint64.from_address(id(d) + DICT_VERSION_OFFSET).value  # noqa: E731
-    before = read()
+    before = _version_tag(d)
     d["x"] = True  # the same value: no change
-    same = read()
+    same = _version_tag(d)
     d["x"] = False
-    return before == same != read()
+    return before == same != _version_tag(d)
 
 
 def _check_tensor_layout(cpu: ctypes.CDLL) -> None:

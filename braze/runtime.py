@@ -195,7 +195,8 @@ class Program:
         self._param_layouts = [_param_layout(p) for p in self.params]
         self._owners = [guard.owners.get(id(p), ()) for p in self.params]  # (module's table, name)
         self._hooks = guard.hooks
-        self._attributes = [(m.__dict__, _attributes(m)) for m in guard.layers if dict_version(m.__dict__) is not None]
+        watched = [m.__dict__ for m in guard.layers if dict_version(m.__dict__) is not None]
+        self._attributes = [(d, _attributes(d)) for d in watched]
         self.stale = False  # an ATen call returned a layout other than compiled: compile again
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
         # Each ATen call, as native code would make it (codegen/calls.py), or why it would not;
@@ -242,8 +243,7 @@ class Program:
             return "a forward hook was added or removed"
         if any(_attributes(d) != was for d, was in self._attributes):
             return ATTRIBUTE_CHANGED
-        for i, (d, _) in enumerate(self._attributes):  # (another training flag: the entry checks those it needs)
-            self._descriptor.versions[2 * i + 1] = dict_version(d)
+        self._descriptor.refresh_versions()  # (another training flag: the entry checks those it needs)
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return ""
 
@@ -329,7 +329,7 @@ class Program:
         symbolic = {i for i, _ in int_symbols}
         n_slots = len(slot) + len(self.symbol_slots) + len(self.derived)
         # A native body's ATen calls: a word per result's handle, and one the run sets on failing
-        calls = [name for name in self.calls if self.native]
+        calls = list(self.calls) if self.native else []
         # A native body's memoized ATen results: where it reads each (see _memo_function)
         self.memo_slots = tuple(slot[n] for n in _memo_read(self)) if self.native else ()
         self.handle_slots = {name: n_slots + i for i, name in enumerate(calls)}
@@ -420,6 +420,7 @@ class Program:
         seg_of = {s.kernels[-1].name: (i, s) for i, s in enumerate(self.segments)}
         steps: list[Step] = []
         reads: list[set[str]] = []
+        made: dict[str, int] = {}  # each call's step
         for n in self.graph.nodes:
             if n.name in seg_of:
                 i, seg = seg_of[n.name]
@@ -428,11 +429,12 @@ class Program:
             elif n.name in self.handle_slots:
                 call = self.calls[n.name]
                 assert isinstance(call, Call)
+                made[n.name] = len(steps)
                 steps.append(Step(call=(n, call, self.handle_slots[n.name])))
                 reads.append({self.layout.owner[t] for t in call.tensors()})
         for name, handle in self.handle_slots.items():
-            made = next(i for i, step in enumerate(steps) if step.call and step.call[0].name == name)
-            steps[max(i for i in range(made, len(steps)) if name in reads[i] or i == made)].frees += (handle,)
+            last = max(i for i in range(made[name], len(steps)) if name in reads[i] or i == made[name])
+            steps[last].frees += (handle,)
         emitter = CallEmitter(mb, entry.dtype_code, shim_constant("device_type_cpu"))
         return emitter.run(steps, list(self.handle_slots.values()), self.failed_slot)
 
@@ -546,10 +548,10 @@ def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[s
 ATTRIBUTE_CHANGED = "a layer's attribute changed"  # (the traced graph read it: capture again)
 
 
-def _attributes(layer: torch.nn.Module | dict) -> dict:
-    """A layer's own attributes but its training flag (whose reads the entry checks itself), each
-    compared by identity, or by value where it is a number, a string or a tuple of them."""
-    d = layer if isinstance(layer, dict) else layer.__dict__
+def _attributes(d: dict) -> dict:
+    """A layer's own attributes (its __dict__, d) but its training flag (whose reads the entry
+    checks itself), each compared by identity, or by value where it is a number, a string or a
+    tuple of them."""
     plain = (int, float, str, bool, type(None), tuple)
     return {k: (v if isinstance(v, plain) else id(v)) for k, v in d.items() if k != "training"}
 
