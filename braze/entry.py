@@ -68,6 +68,7 @@ from .jit import (
     define_symbols,
     dict_version,
     dispatch_keys,
+    realigned,
     shim_constant,
     tls_dispatch_words,
 )
@@ -362,7 +363,7 @@ def ensure_runtime() -> bool:
         mb = ModuleBuilder("braze_rt", lambda name: None, 0)  # type: ignore[arg-type,return-value]
         _Runtime(mb).emit()
         names = ["braze_entry", "braze_body", "braze_mxcsr"]
-        _runtime.update(compile_module(str(mb.module), names, 0, False).addresses)
+        _runtime.update(compile_module(str(realigned(mb.module)), names, 0, False).addresses)
         define_symbols(_runtime)
         return True
 

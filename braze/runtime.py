@@ -33,7 +33,7 @@ from .codegen import Access, ModuleBuilder, Segment
 from .codegen.calls import Call, CallEmitter, Step, plan
 from .dims import Dim, Expr, value
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module, dict_version, matmul_precision, mkl_threads, pyfunction, shim_constant
+from .jit import compile_module, dict_version, matmul_precision, mkl_threads, pyfunction, realigned, shim_constant
 from .lowering import Lowered, Sym
 from .lowering.generic import Family, NotGeneric
 
@@ -378,7 +378,7 @@ class Program:
         desc_name = entry.emit_trampolines(mb)
         dims = [mb.emit_dims(list(self.derived.items()))] if self.family is not None else []
         clock = [f"{prefix}_blas_cycles", f"{prefix}_cycles"] if mb.clock is not None else []
-        text = str(mb.module)
+        text = str(realigned(mb.module))
         self.timings.append(("codegen", (time.perf_counter() - t0) * 1e3))
         want = config.debug >= 4 or bool(config.debug_dir) or self._want_text
         # LLVM's optimiser only for loops codegen left scalar (strided): it gave the vector loops
