@@ -4,16 +4,20 @@
     python benchmarks/coverage.py text            # Hugging Face text models only
     python benchmarks/coverage.py vision          # Hugging Face, torchvision and timm vision models
     python benchmarks/coverage.py falcon,bart     # by name
+    python benchmarks/coverage.py --speed [...]   # exact and fast mode's speed-up vs eager instead
 
 For each model: exact mode against eager (`torch.equal`, at two input shapes), what braze ran
 eagerly (its warnings), how many programs (and native bodies) and ATen calls, the first call's time, and fast mode's
 accuracy contract (braze.check_accuracy). Not a test (too slow for the suite): a sweep to rerun
 after changes to capture or lowering. torchvision's and timm's models are skipped where those
-packages cannot be imported.
+packages cannot be imported. With --speed, each model's first input is timed instead: eager,
+exact and fast mode interleaved in one process (braze.timing.compare), the median of the
+per-round ratios (about 20 minutes for all).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 import warnings
@@ -24,6 +28,7 @@ import torch
 
 import braze
 import braze.bench  # noqa: F401  (lets torchvision's model code import beside CPU torch)
+from braze import timing
 
 _SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128}
 _TEXT = {**_SMALL, "vocab_size": 500}
@@ -224,13 +229,32 @@ def check(name: str) -> str:
     )
 
 
-def main(which: str) -> None:
+def speed(name: str) -> str:
+    """One model's speed-ups vs eager, exact and fast mode, on its first input."""
+    build, calls = MODELS[name]
+    try:
+        model = build()
+    except ImportError as e:
+        return f"{name:20s} skipped ({e.name or e} cannot be imported)"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", braze.BrazeWarning)
+        # (a copy for fast mode: TorchDynamo keeps one cache per code object and model)
+        fast = braze.compile(copy.deepcopy(model), mode="fast")
+        fns = {"eager": model, "exact": braze.compile(model), "fast": fast}
+        timed = timing.compare(fns, calls[0], rounds=11, seconds=0.02)
+    eager = timed["eager"].us / 1e3
+    ratios = ", ".join(f"{mode} {timed.speedup(mode, 'eager'):.2f}x" for mode in ("exact", "fast"))
+    return f"{name:20s} eager {eager:8.3f} ms; {ratios}"
+
+
+def main(which: str, report: Callable[[str], str] = check) -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     names = GROUPS.get(which) or (list(MODELS) if which == "all" else which.split(","))
     for name in names:
-        print(check(name), flush=True)
+        print(report(name), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "all")
+    args = [a for a in sys.argv[1:] if a != "--speed"]
+    main(args[0] if args else "all", speed if "--speed" in sys.argv else check)
