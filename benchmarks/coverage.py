@@ -187,13 +187,8 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
-def check(name: str) -> str:
+def check(name: str, model: torch.nn.Module, calls: list[tuple]) -> str:
     """One model's line of the report."""
-    build, calls = MODELS[name]
-    try:
-        model = build()
-    except ImportError as e:
-        return f"{name:20s} skipped ({e.name or e} cannot be imported)"
     exact, first = [], 0.0
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always", braze.BrazeWarning)
@@ -229,13 +224,8 @@ def check(name: str) -> str:
     )
 
 
-def speed(name: str) -> str:
+def speed(name: str, model: torch.nn.Module, calls: list[tuple]) -> str:
     """One model's speed-ups vs eager, exact and fast mode, on its first input."""
-    build, calls = MODELS[name]
-    try:
-        model = build()
-    except ImportError as e:
-        return f"{name:20s} skipped ({e.name or e} cannot be imported)"
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", braze.BrazeWarning)
         # (a copy for fast mode: TorchDynamo keeps one cache per code object and model)
@@ -247,12 +237,18 @@ def speed(name: str) -> str:
     return f"{name:20s} eager {eager:8.3f} ms; {ratios}"
 
 
-def main(which: str, report: Callable[[str], str] = check) -> None:
+def main(which: str, report: Callable[[str, torch.nn.Module, list[tuple]], str] = check) -> None:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     names = GROUPS.get(which) or (list(MODELS) if which == "all" else which.split(","))
     for name in names:
-        print(report(name), flush=True)
+        build, calls = MODELS[name]
+        try:
+            model = build()
+        except ImportError as e:
+            print(f"{name:20s} skipped ({e.name or e} cannot be imported)", flush=True)
+            continue
+        print(report(name, model, calls), flush=True)
 
 
 if __name__ == "__main__":
