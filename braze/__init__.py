@@ -17,7 +17,7 @@ if config.gc_freeze:  # before braze's own imports: a full collection of torch's
     gc.freeze()
 
 from .accuracy import Accuracy, check_accuracy  # noqa: E402
-from .api import BrazeWarning, CompiledFunction, CompiledModule, compile  # noqa: E402
+from .api import MODES, BrazeWarning, CompiledFunction, CompiledModule, compile  # noqa: E402
 from .debug import Report  # noqa: E402
 
 __all__ = [
@@ -34,16 +34,17 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
-    """Compile `fn` for `example_inputs` and describe every stage.
+def explain(fn: Any, *example_inputs: Any, mode: str | None = None, **example_kwargs: Any) -> Report:
+    """Compile `fn` for `example_inputs` (in `mode`, as braze.compile) and describe every stage.
 
     The report holds the captured graph, the IR before and after each pass, the fusion groups,
     which ops run natively and which through ATen (and why), the LLVM IR, optimised IR,
     assembly, and milliseconds per stage; for a compiled wrapper, also every program it has
     compiled so far and why. A model that torch.fx cannot trace (or a call with keywords) is
     captured as braze.compile would: by TorchDynamo, which runs it once on the inputs; each of
-    its graphs gets its sections, headed "graph i:". A wrapper compiled with mode="fast" is
-    explained in fast mode.
+    its graphs gets its sections, headed "graph i:". A wrapper is explained in the mode it was
+    compiled with (`mode`, if given, must be that one). `mode` is braze's: a model's own keyword
+    argument of that name cannot be given here.
     """
     import dataclasses
 
@@ -53,7 +54,11 @@ def explain(fn: Any, *example_inputs: Any, **example_kwargs: Any) -> Report:
     from .api import exact_instead
 
     target = fn.fn if isinstance(fn, CompiledFunction) else fn
-    mode = fn.mode if isinstance(fn, CompiledFunction) else "exact"
+    if isinstance(fn, CompiledFunction) and mode not in (None, fn.mode):
+        raise ValueError(f"braze.explain: this wrapper was compiled in {fn.mode} mode, not {mode}")
+    mode = fn.mode if isinstance(fn, CompiledFunction) else mode or "exact"
+    if mode not in MODES:
+        raise ValueError(f"braze: unknown mode {mode!r} (one of {', '.join(MODES)})")
     t0 = time.perf_counter()
     try:
         if example_kwargs:

@@ -130,6 +130,13 @@ def test_explain_describes_a_fast_wrapper_in_fast_mode(packing):
     assert "packed weight" in fast_report.sections["native vs ATen"]
     assert exact_report.sections["mode"].split()[0] == "exact"
     assert "packed weight" not in exact_report.sections["native vs ATen"]
+    # or the model itself, in the mode named (it was once taken for a keyword of the model's)
+    named = braze.explain(model, x, mode="fast")
+    assert named.sections["mode"].split()[0] == "fast" and "packed weight" in named.sections["native vs ATen"]
+    with pytest.raises(ValueError, match="compiled in exact mode"):
+        braze.explain(braze.compile(model), x, mode="fast")
+    with pytest.raises(ValueError, match="unknown mode"):
+        braze.explain(model, x, mode="quick")
 
 
 @torch.no_grad()
