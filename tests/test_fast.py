@@ -87,6 +87,29 @@ def test_activations_after_packed_linears_are_their_post_ops(packing, act, attr)
     assert not any("post-op" in why for p in compiled.programs() for _, why in p.externs)
 
 
+class _Functional(nn.Module):
+    """linear -> F.relu(..., inplace=...) -> linear, as TorchDynamo's graphs of nn.ReLU read."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.inplace = nn.Linear(64, 96), nn.Linear(96, 8), inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.relu(self.a(x), inplace=self.inplace))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_an_activation_given_inplace_is_a_post_op_too(packing, inplace):
+    packing(True)
+    torch.manual_seed(0)
+    model, x = _Functional(inplace).eval(), torch.randn(5, 64)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        assert _within(compiled, model, x)
+    whys = [why for p in compiled.programs() for _, why in p.externs]
+    assert len(whys) == 2 and "+ relu as its post-op" in whys[0], whys
+
+
 @torch.no_grad()
 def test_a_stream_of_batch_sizes_shares_one_generic_program(packing):
     packing(True)

@@ -52,7 +52,8 @@ def _post_op(attr: str, algorithm: str, otherwise: Callable[..., Sym]) -> Callab
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         x = args[0] if args else kwargs.get("input")
         at = conv.packed_call(lw, x)
-        if at is None or (set(kwargs) - {"input", "approximate"}) or len(args) > 1:
+        # (in place or not: nothing else reads x, so no one sees it before the activation)
+        if at is None or (set(kwargs) - {"input", "approximate", "inplace"}) or len(args) > 1:
             return otherwise(lw, fn, args, kwargs, out)
         approximate = getattr(fn, "approximate", kwargs.get("approximate", "none"))
         return conv.fuse_post_op(lw, at, attr, approximate if attr == "gelu" else algorithm)
