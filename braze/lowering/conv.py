@@ -32,13 +32,13 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
             raise NotNative(_EXACT)
         # The layer's own call as torch.conv2d of its parameters: an ATen call that a native body
         # makes itself (codegen/calls.py), the layer's weights read and checked like any other's
-        weight, bias = lw.param(fn.weight, "weight"), None if fn.bias is None else lw.param(fn.bias, "bias")
+        weight, bias = lw.weights(fn)
         given = (args[0], weight, bias, fn.stride, fn.padding, fn.dilation, fn.groups)
         return lw.extern(torch.conv2d, given, {}, "torch.conv2d (a Conv2d layer's)", _EXACT, out)
     if isinstance(fn, torch.nn.Conv2d):
         if fn.padding_mode != "zeros":
             raise NotNative("convolution with padding other than zeros")
-        weight, bias = lw.param(fn.weight, "weight"), None if fn.bias is None else lw.param(fn.bias, "bias")
+        weight, bias = lw.weights(fn)
         given = {"input": args[0], "weight": weight, "bias": bias}
         given |= {k: getattr(fn, k) for k in ("stride", "padding", "dilation", "groups")}
     else:

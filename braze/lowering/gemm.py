@@ -260,8 +260,7 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     matmul(input, weight.t()), then the bias added to it in place."""
     x, w, b = _linear_parts(fn, args, kwargs)
     if isinstance(fn, torch.nn.Linear):
-        w = lw.param(fn.weight, "weight")
-        b = None if fn.bias is None else lw.param(fn.bias, "bias")
+        w, b = lw.weights(fn)
     if not isinstance(x, Sym) or not isinstance(w, Sym) or not x.is_tensor:
         raise NotNative("linear on non-tensors")
     packed = _packed(lw, x, w, b, transposed=False)
