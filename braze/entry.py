@@ -27,7 +27,10 @@ path then captures again where an attribute but the training flag changed); and 
 dispatch state (two words: dispatch modes, functorch transforms, autocast, inference mode), so
 that native code runs only where eager would run the plain CPU kernels; and, for a program with
 GEMMs, ATen's float32 matmul precision (and MKL's thread count, where a GEMM runs on one
-thread). Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch)
+thread); and, for fast mode's weights packed once (fast.GemmPack), that each is still the
+tensor packed, at the same data pointer and version (`t._version`, read through its
+VersionCounter: jit.version_offsets); a mismatch misses, and Program.rearm packs it again.
+Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch)
 where it has a getter; a Python tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
 """
 
@@ -71,6 +74,7 @@ from .jit import (
     realigned,
     shim_constant,
     tls_dispatch_words,
+    version_offsets,
 )
 
 NULL = ll.Constant(PTR, None)
@@ -121,6 +125,9 @@ class EntrySpec:
     hooks: tuple[tuple[dict, int], ...] = ()  # forward hook tables, each to hold that many hooks
     huge_scratch: int = 0  # kept scratch of at least this many bytes goes on 2 MB pages (0: never)
     versions: tuple[tuple[dict, int], ...] = ()  # layers' dictionaries and their versions (jit.dict_version)
+    # (a tensor record, the fast.GemmPack made from its tensor): that it is the tensor packed,
+    # at the same address and version
+    packs: tuple[tuple[int, Any], ...] = ()
 
 
 def ref(slot: int) -> int:
@@ -139,7 +146,7 @@ _FIELDS = (
     "mkldnn "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
-    "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks huge n_versions versions"
+    "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks huge n_versions versions n_packs packs"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
 TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
@@ -147,6 +154,7 @@ MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 g
 OWNER_WORDS = ("table", "name", "tensor")
 HOOK_WORDS = ("table", "count")
 VERSION_WORDS = ("dict", "version")
+PACK_WORDS = ("tensor", "obj", "data", "counter", "count")  # (see fast.stamp)
 OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
 SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo", "hi")
@@ -203,6 +211,8 @@ class Descriptor:
         words = [w for d in self._versioned for w in (id(d), 0)]
         self._versions = self._set_array("versions", "n_versions", words, len(self._versioned))
         self._set_versions([v for _, v in spec.versions])
+        self._packs = spec.packs
+        self.refresh_packs()
         records = [w for i, t in enumerate(spec.tensors) for w in self._tensor(i, t)]
         # set_dispatch_state rewrites their dispatch keys
         self.tensors = self._set_array("tensors", "n_tensors", records, len(spec.tensors))
@@ -245,6 +255,11 @@ class Descriptor:
                 base = i * len(TENSOR_WORDS)
                 self.tensors[base + TENSOR_WORDS.index("obj")] = id(new)
                 self.tensors[base + TENSOR_WORDS.index("keys")] = dispatch_keys(new)
+
+    def refresh_packs(self) -> None:
+        """Expect the tensors the packs were made from as they were when (last) packed."""
+        words = [w for i, pack in self._packs for w in (i, id(pack.stamp[0]), *pack.stamp[1:])]
+        self._set_array("packs", "n_packs", words, len(self._packs))  # (each pack holds its tensor)
 
     def refresh_versions(self) -> None:
         """Expect the watched dictionaries' versions as they are now."""
@@ -469,6 +484,8 @@ class _Runtime:
             self._check_training(b, d, i, require)
         with counted_loop(b, I64(0), f("n_owners")) as i:
             self._check_owner(b, d, i, require)
+        with counted_loop(b, I64(0), f("n_packs")) as i:
+            self._check_pack(b, d, args, i, require)
         size = self.mb.declare("PyDict_Size", I64, [PTR])
         with counted_loop(b, I64(0), f("n_hooks")) as i:  # no forward hook added or removed
             h = self.record(b, d, "hooks", i, HOOK_WORDS)
@@ -595,6 +612,22 @@ class _Runtime:
         registered = b.call(get, [o("table", PTR), o("name", PTR)])  # borrowed, or NULL
         t = self.record(b, d, "tensors", o("tensor"), TENSOR_WORDS)
         require(b.icmp_unsigned("==", registered, t("obj", PTR)))
+
+    def _check_pack(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, i: ll.Value, require: Callable) -> None:
+        """Pack record i: its tensor is the one packed, at the same data pointer, with the same
+        version counter at the same count (`t._version`: no in-place change since)."""
+        p = self.record(b, d, "packs", i, PACK_WORDS)
+        obj = self._tensor_object(b, args, self.record(b, d, "tensors", p("tensor"), TENSOR_WORDS))
+        require(b.icmp_unsigned("==", obj, p("obj", PTR)))
+        h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
+        data = self._alloca(b, PTR)
+        b.call(self.data_ptr, [h, data])
+        require(b.icmp_unsigned("==", b.load(data, typ=PTR), p("data", PTR)))
+        at, count = version_offsets() or (0, 0)  # (without them no program has packs)
+        counter = b.load(b.gep(b.load(h, typ=PTR), [I64(at)], source_etype=I8), typ=PTR)
+        require(b.icmp_unsigned("==", counter, p("counter", PTR)))  # (a packed tensor has one)
+        value = b.load(b.gep(counter, [I64(count)], source_etype=I8), typ=I32)
+        require(b.icmp_unsigned("==", b.zext(value, I64), p("count")))
 
     def _check_settings(self, b: ll.IRBuilder, d: ll.Value, require: Callable) -> None:
         """The process's settings the program's bits depend on are as compiled (a field of -1:

@@ -14,11 +14,14 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
     direct   a depthwise convolution of channels-last pixels up to 8 MFLOP, and one of an NCHW
              input of up to 4 channels (a network's first): braze's kernels (directconv.py)
     sdpa     attention (causal or masked, not dropout): braze's kernel (attention.py)
+    GEMM     braze's GEMM kernel (exact mode's) on linear's weight packed once (GemmPack), where
+             exact mode packs it on every call
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 
 A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
-changed in place (`_version`): never a stale answer.
+changed in place (`_version`): never a stale answer. (A change through `.data`, which bumps
+another tensor's version, is not seen.)
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import time
 from typing import Any
 
 import torch
+
+from . import gemmkernel, jit
 
 MIN_SPEEDUP = 1.05  # what the packed GEMM must win by to be chosen (timing noise)
 # What an ATen call inside a program costs beyond a native GEMM's sgemm_ call: its line of the
@@ -134,6 +139,58 @@ class PackedConv(Packed):
             b = None if b is None else b.detach()
         args = (self.padding, self.stride, self.dilation, self.groups, self.size)
         return torch.ops.mkldnn._reorder_convolution_weight(w.contiguous(), *args), b
+
+
+class GemmPack:
+    """Linear's weight [N, K] packed once for braze's GEMM kernel (gemmkernel.pack), and what it
+    was packed from: the tensor (held, so that no other takes its address), its data pointer,
+    version counter and count. The entry compares them on every call (a mismatch misses, and
+    Program.rearm packs again); the panels are made when the program is built, into memory
+    whose address its code holds. (A weight changed while another thread runs the program is
+    read half old, half new, as eager's GEMM would read it.)"""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.layout = (tuple(weight.shape), weight.stride())  # a 1 x 1 convolution's [N, C, 1, 1] too
+        self.shape = (weight.shape[0], weight.numel() // max(weight.shape[0], 1))
+        self.depth = gemmkernel.packed_depth(self.shape[1])
+        self.panels: torch.Tensor | None = None
+        self.stamp: tuple[Any, ...] = (weight,)  # (what `address` packs from first)
+
+    def __repr__(self) -> str:
+        return f"GemmPack({self.shape[0]}x{self.shape[1]})"
+
+    def generic_key(self) -> tuple[Any, ...]:
+        """One pack serves every size of a generic program (its rows vary, not its weight)."""
+        return ("GemmPack", self.shape)
+
+    def address(self) -> int:
+        """Where the panels are (packed the first time: a program is built only from the packs
+        it uses)."""
+        if self.panels is None:
+            self.panels = torch.empty(gemmkernel.packed_numel(*self.shape))
+            self.repack(self.stamp[0])
+        assert self.panels is not None
+        return self.panels.data_ptr()
+
+    def stale(self, weight: torch.Tensor) -> bool:
+        now = stamp(weight)
+        return self.stamp[0] is not weight or self.stamp[1:] != now[1:]
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        return (tuple(weight.shape), weight.stride()) == self.layout and jit.tensor_version(weight) is not None
+
+    def repack(self, weight: torch.Tensor) -> None:
+        assert self.panels is not None
+        with torch.no_grad():
+            gemmkernel.pack(weight.detach().view(self.shape), self.panels)
+        self.stamp = stamp(weight)
+
+
+def stamp(weight: torch.Tensor) -> tuple[Any, ...]:
+    """(weight, data pointer, version counter, count): the entry's words for a GemmPack."""
+    counter = jit.tensor_version(weight)
+    assert counter is not None  # (lowering keeps no pack of a tensor without one)
+    return (weight, weight.data_ptr(), *counter)
 
 
 def packed_linear(packed: PackedLinear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:

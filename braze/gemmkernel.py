@@ -16,11 +16,15 @@ kernel only from MIN_ROWS rows per MKL thread, MIN_N columns and MIN_K up.
         null (beta 0: the sums alone)
     braze_gemm_rows_nk(...)
         the same with linear's weight, w[N, K] (rows ldw apart): c = init + x @ w.T
+    braze_gemm_rows_packed(...)
+        the same with w packed by `pack` (ldw: packed_depth(K)): fast mode keeps linear's
+        weight packed between calls (fast.GemmPack), where exact mode cannot see every change
 
 Per block of K, 32 columns at a time: a [K, N] weight is read in place (the last, narrower
 panel copied into a zero-padded one), a [N, K] one packed into a panel on the stack, 16 x 16
 blocks loaded along K and transposed in registers (each thread packs the panels it computes:
-no weight is kept between calls, so none can be stale). Then one register-blocked kernel of
+exact mode keeps no weight between calls, so none can be stale), or in fast mode read from
+the panels `pack` made once. Then one register-blocked kernel of
 6 rows x 32 columns per 6 rows: 12 AVX-512 accumulators, per k one broadcast of x per row and
 two loads of the panel.
 """
@@ -53,6 +57,7 @@ from .codegen import (
 
 NAME = "braze_gemm_rows"  # W [K, N]
 NAME_NK = "braze_gemm_rows_nk"  # W [N, K]: linear's weight
+NAME_PACKED = "braze_gemm_rows_packed"  # W as `pack` lays it out (fast mode's kept weights)
 ARGS = [PTR, I64, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I64]
 MR, NR = 6, 32  # rows per block kernel (12 accumulators), columns per panel
 KC = 192  # MKL's block of K
@@ -197,6 +202,39 @@ def _panel_nk(
     return buf, I64(NR)
 
 
+def packed_depth(k: int) -> int:
+    """The rows of each panel `pack` lays out: K rounded up to the 16 x 16 steps of _panel_nk."""
+    return -(-k // 16) * 16
+
+
+def packed_numel(n: int, k: int) -> int:
+    return -(-n // NR) * NR * packed_depth(k)
+
+
+def pack(w: torch.Tensor, out: torch.Tensor) -> None:
+    """Linear's weight w [N, K] into `out` (packed_numel floats) as _panel_nk packs a panel per
+    call: 32-column panels one after another, each packed_depth(K) rows of 32, zero-padded."""
+    (n, k), kp = w.shape, packed_depth(w.shape[1])
+    panels = -(-n // NR)
+    padded = torch.zeros(panels * NR, kp)
+    padded[:n, :k] = w
+    out.view(panels, kp, NR).copy_(padded.view(panels, NR, kp).transpose(1, 2))
+
+
+def _panel_packed(
+    b: ll.IRBuilder,
+    w: ll.Value,
+    ldw: ll.Value,
+    k0: ll.Value,
+    j0: ll.Value,
+    depth: ll.Value,
+    ncols: ll.Value,
+    buf: ll.Value,
+) -> tuple[ll.Value, ll.Value]:
+    """W packed by `pack` (ldw: each panel's rows): the panel read in place."""
+    return b.gep(w, [b.add(b.mul(j0, ldw), b.mul(k0, I64(NR)))], source_etype=F32), I64(NR)
+
+
 def _rows(module: ll.Module, name: str, panel_of: Callable) -> None:
     kernels = {mr: block_kernel(module, name, mr) for mr in range(1, MR + 1)}
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), name)
@@ -227,7 +265,7 @@ def _rows(module: ll.Module, name: str, panel_of: Callable) -> None:
     b.ret_void()
 
 
-_BUILDERS = {NAME: _panel_kn, NAME_NK: _panel_nk}
+_BUILDERS = {NAME: _panel_kn, NAME_NK: _panel_nk, NAME_PACKED: _panel_packed}
 
 
 def library(kernel: str) -> int:
@@ -235,15 +273,23 @@ def library(kernel: str) -> int:
     return jit.kernel(kernel, lambda module: _rows(module, kernel, _BUILDERS[kernel]))
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, linear: bool = False) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, linear: bool = False, packed: bool = False
+) -> torch.Tensor:
     """The native kernel, on one thread (for the probe): x [M, K] @ w [K, N] (+ bias [N]), or
-    with `linear` x @ w.T of w [N, K]; x and w with unit column stride."""
+    with `linear` x @ w.T of w [N, K] (`packed`: read from `pack`'s panels of it); x and w with
+    unit column stride."""
     (m, k), n = x.shape, w.shape[0 if linear else 1]
     c = torch.empty(m, n)
-    address = library(NAME_NK if linear else NAME)
+    address = library(NAME_PACKED if packed else NAME_NK if linear else NAME)
     kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64] * 4, *[ctypes.c_int64] * 4)(address)
     init = (bias.data_ptr(), 0) if bias is not None else (None, 0)
-    kernel(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), c.data_ptr(), n, *init, n, k, 0, m)
+    ldw = w.stride(0)
+    if packed:
+        panels = torch.empty(packed_numel(n, k))
+        pack(w, panels)
+        w, ldw = panels, packed_depth(k)
+    kernel(x.data_ptr(), x.stride(0), w.data_ptr(), ldw, c.data_ptr(), n, *init, n, k, 0, m)
     return c
 
 

@@ -154,6 +154,51 @@ def _bind_symbols() -> None:
     _check_tensor_layout(cpu)
 
 
+# A tensor's version (`t._version`, bumped by every in-place change through it): the impl holds a
+# pointer to its c10::VersionCounter (torch::autograd::impl::version_counter(t) returns the
+# member's address; NULL for an inference tensor), which holds the count as a uint32.
+VERSION_COUNTER = "_ZN5torch8autograd4impl15version_counterERKN2at6TensorE"
+
+
+@functools.cache
+def version_offsets() -> tuple[int, int] | None:
+    """(where the impl keeps its VersionCounter*, where the counter keeps the count) as native code
+    reads `t._version`; None where a probe of tensors whose versions move does not confirm it."""
+    get = getattr(_torch_lib("libtorch_cpu.so"), VERSION_COUNTER)
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    probes = [torch.zeros(3), torch.nn.Parameter(torch.ones(2, 5)), torch.arange(4.0)[1:]]
+    impl = lambda t: ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value  # noqa: E731
+    member = {get(id(t) + TENSOR_OFFSET) - impl(t) for t in probes}
+    if len(member) != 1 or not 0 < min(member) < 4096:
+        return None
+    at = member.pop()
+    for count in range(8, 64, 4):  # past the counter's vtable and reference counts
+
+        def read(t: torch.Tensor, count: int = count) -> int:
+            return ctypes.c_uint32.from_address(ctypes.c_void_p.from_address(impl(t) + at).value + count).value
+
+        seen = []
+        with torch.no_grad():
+            for bumps in (0, 3, 1):
+                for t in probes:
+                    for _ in range(bumps):
+                        t.add_(0)
+                seen += [read(t) == t._version for t in probes]
+        if all(seen):
+            return at, count
+    return None
+
+
+def tensor_version(t: torch.Tensor) -> tuple[int, int] | None:
+    """(the address of t's version counter, its count) as native code reads them; None for a
+    tensor without a counter (an inference tensor) or where version_offsets found none."""
+    offsets = version_offsets()
+    if offsets is None:
+        return None
+    counter = ctypes.c_void_p.from_address(ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value + offsets[0]).value
+    return None if not counter else (counter, ctypes.c_uint32.from_address(counter + offsets[1]).value)
+
+
 def dict_version(d: dict) -> int | None:
     """d's version tag (native code reads it at DICT_VERSION_OFFSET); None where this CPython has
     none, or it does not move as expected."""

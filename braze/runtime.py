@@ -33,7 +33,15 @@ from .codegen import Access, ModuleBuilder, Segment
 from .codegen.calls import Call, CallEmitter, Step, plan
 from .dims import Dim, Expr, value
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import compile_module, dict_version, matmul_precision, mkl_threads, pyfunction, realigned, shim_constant
+from .jit import (
+    compile_module,
+    dict_version,
+    matmul_precision,
+    mkl_threads,
+    pyfunction,
+    realigned,
+    shim_constant,
+)
 from .lowering import Lowered, Sym
 from .lowering.generic import Family, NotGeneric
 
@@ -222,6 +230,12 @@ class Program:
         self._local = threading.local()
         self._body_globals: dict[str, Any] | None = None  # a Python body's namespace
         self.memo: dict[tuple, tuple] = {}  # the results of ATen calls that follow from the sizes, per sizes
+        # Fast mode's weights packed once (fast.GemmPack), each with the node it is packed from
+        kept = [n for n in graph.nodes if n.op is Op.GEMM and n.attrs.get("pack") and n.attrs["own_kernel"]]
+        self.packs = [(n.attrs["pack"], n.attrs["pack_source"]) for n in kept]
+        for pack, _ in self.packs:
+            pack.address()  # packed now, before the entry reads what it was packed from
+        self.repacks = 0  # how often a packed weight was packed again (it changed)
         spec = self._spec(lowered, guard, fresh)
         self.entry, self.body = self._build(spec, lowered)
 
@@ -243,9 +257,27 @@ class Program:
             return "a forward hook was added or removed"
         if any(_attributes(d) != was for d, was in self._attributes):
             return ATTRIBUTE_CHANGED
+        if not self._repacked(args):
+            return "a packed weight changed layout"
         self._descriptor.refresh_versions()  # (another training flag: the entry checks those it needs)
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return ""
+
+    def _repacked(self, args: tuple[Any, ...]) -> bool:
+        """Pack again each weight that changed since it was packed (another tensor, moved, or
+        changed in place); False where one no longer fits its pack."""
+        inputs = {n.name: n.attrs["index"] for n in self.graph.nodes if n.op is Op.INPUT}
+        current = dict(zip(self.param_names, self.params))
+        for pack, source in self.packs:
+            t = current[source] if source in current else args[inputs[source]]
+            if not pack.stale(t):
+                continue
+            if not pack.fits(t):
+                return False
+            pack.repack(t)
+            self.repacks += 1
+        self._descriptor.refresh_packs()
+        return True
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Read `new` where the program read `old`: a parameter or buffer of the model replaced
@@ -307,13 +339,15 @@ class Program:
         slot, reads = self.layout.slot, self.reads
         inputs = {n.attrs["index"]: n for n in self.graph.nodes if n.op is Op.INPUT}
         read = {i: slot[n.name] for i, n in inputs.items() if n.name in reads}
-        tensors = []
+        tensors, record = [], {}  # (record: each tensor argument's or parameter's record)
         for i, a in enumerate(guard.args):
             if isinstance(a, torch.Tensor):
                 words = self._words(inputs[i].meta) if self.family is not None and i in inputs else None
                 layout = (words.shape, words.stride) if words is not None else None
+                record[inputs[i].name if i in inputs else None] = len(tensors)
                 tensors.append(entry.TensorCheck(a, i, read.get(i, -1), True, layout))
         first = len(tensors)  # the parameters' records follow the arguments'
+        record |= {name: first + j for j, name in enumerate(self.param_names)}
         owners = tuple((table, name, first + i) for i, where in enumerate(self._owners) for table, name in where)
         for name, p in zip(self.param_names, self.params):
             natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
@@ -361,6 +395,7 @@ class Program:
             hooks=self._hooks,
             versions=tuple((d, dict_version(d)) for d, _ in self._attributes),
             huge_scratch=config.huge_scratch,
+            packs=tuple((record[source], pack) for pack, source in self.packs),
         )
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:

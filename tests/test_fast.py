@@ -176,6 +176,63 @@ def test_a_changed_or_replaced_weight_is_packed_again(packing):
     assert len(compiled.compilations) == 1
 
 
+class _Keywords(nn.Module):
+    """Captured by TorchDynamo (forward takes **kwargs): its weights are the graph's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48))
+
+    def forward(self, x, **kwargs):
+        return self.mlp(x)
+
+
+def _packs(compiled) -> list[int]:
+    return [len(p.packs) for p in compiled.programs()]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@torch.no_grad()
+def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
+    torch.manual_seed(0)
+    model = _Keywords().eval() if dynamo else nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
+    layers = model.mlp if dynamo else model
+    x = torch.randn(256, 64)
+    compiled = braze.compile(model, mode="fast")
+    run = (lambda: compiled(x, mask=None)) if dynamo else (lambda: compiled(x))
+    assert torch.equal(run(), model(x))  # the kernel is exact mode's, its weight read from the pack
+    assert _packs(compiled) == [2]
+    calls = compiled._subgraphs if dynamo else [compiled]
+    slow = sum(c._slow_calls for c in calls)
+    assert torch.equal(run(), model(x))
+    assert sum(c._slow_calls for c in calls) == slow  # the packs hold: the entry ran the call
+    changes = [
+        lambda: layers[0].weight.mul_(-2.0),  # in place: its version moves
+        lambda: setattr(layers[2], "weight", nn.Parameter(torch.randn(48, 96))),  # replaced
+        lambda: setattr(layers[0].weight, "data", torch.randn(96, 64)),  # other memory
+    ]
+    for change in changes:
+        change()
+        assert torch.equal(run(), model(x))
+        slow = sum(c._slow_calls for c in calls)
+        assert torch.equal(run(), model(x))
+        assert sum(c._slow_calls for c in calls) == slow
+    assert sum(p.repacks for p in compiled.programs()) == 3
+    assert sum(len(c.compilations) for c in calls) == 1  # packed again, not compiled again
+
+
+@torch.no_grad()
+def test_weights_without_a_version_counter_are_packed_per_call():
+    with torch.inference_mode():  # an inference tensor has no version counter to watch
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
+    x = torch.randn(256, 64)
+    compiled = braze.compile(model, mode="fast")
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), model(x))
+        assert _packs(compiled) == [0]
+
+
 def test_gpt2_style_addmm_and_torchdynamo_graphs_pack_their_weights(packing):
     packing(True)
     torch.manual_seed(0)

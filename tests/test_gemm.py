@@ -286,13 +286,16 @@ def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
 @pytest.mark.parametrize("rows", [32, 33, 257])
 @pytest.mark.parametrize("k", [2, 7, 17, 192, 193, 383, 385, 1000])
 @pytest.mark.parametrize("n", [16, 33, 100])
-@pytest.mark.parametrize("linear", [False, True], ids=["KN", "NK"])
-def test_own_kernel_matches_mkl_bit_for_bit(rows, k, n, linear, threads):
-    # The kernel on its own, against eager's addmm and mm (linear, for a [N, K] weight) on both
-    # thread counts: K across MKL's blocks of 192 (and its halves below 384) and the 16 x 16
-    # transposes, N across the 32-column panels, rows across the 6-row blocks; values of many
-    # scales with NaN, infinities, signed zeros and denormals.
+@pytest.mark.parametrize("layout", ["KN", "NK", "packed"])
+def test_own_kernel_matches_mkl_bit_for_bit(rows, k, n, layout, threads):
+    # The kernel on its own, against eager's addmm and mm (linear, for a [N, K] weight, packed
+    # per call or, as fast mode keeps it, once) on both thread counts: K across MKL's blocks of
+    # 192 (and its halves below 384) and the 16 x 16 transposes, N across the 32-column panels,
+    # rows across the 6-row blocks; values of many scales with NaN, infinities, signed zeros and
+    # denormals.
     from braze import gemmkernel, jit
+
+    linear, packed = layout != "KN", layout == "packed"
 
     x, w, bias = torch.randn(rows, k) * torch.logspace(-3, 3, rows).unsqueeze(1), torch.randn(k, n), torch.randn(n)
     x[0, : min(k, 5)] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf")])[: min(k, 5)]
@@ -302,8 +305,24 @@ def test_own_kernel_matches_mkl_bit_for_bit(rows, k, n, linear, threads):
     for t in (1, 2):
         threads(t)
         eager = (F.linear(x, w, bias), F.linear(x, w)) if linear else (torch.addmm(bias, x, w), x @ w)
-        assert jit.same_bits(gemmkernel.gemm(x, w, bias, linear), eager[0], nan_payloads=False)
-        assert jit.same_bits(gemmkernel.gemm(x, w, None, linear), eager[1], nan_payloads=False)
+        assert jit.same_bits(gemmkernel.gemm(x, w, bias, linear, packed), eager[0], nan_payloads=False)
+        assert jit.same_bits(gemmkernel.gemm(x, w, None, linear, packed), eager[1], nan_payloads=False)
+
+
+def test_native_code_reads_a_tensors_version_where_python_does():
+    from braze import jit
+
+    t = torch.nn.Parameter(torch.randn(4, 3))
+    counter, count = jit.tensor_version(t)
+    with torch.no_grad():
+        view = t[1:]
+        for _ in range(3):
+            view.mul_(2.0)  # a view's changes move its base's version
+    assert jit.tensor_version(t) == jit.tensor_version(view) == (counter, count + 3) == (counter, t._version)
+    t.data.mul_(2.0)  # `.data` has a counter of its own: not seen (fast mode's documented limit)
+    assert jit.tensor_version(t) == (counter, t._version)
+    with torch.inference_mode():
+        assert jit.tensor_version(torch.ones(2)) is None
 
 
 @pytest.mark.parametrize("bias", ["row", "column", "none"])

@@ -546,11 +546,11 @@ class ModuleBuilder:
         epilogue = self._epilogue(k) if k.body else None
         if own and isinstance(blas["n"], int):
             bias_row = self.slot_of(bias) if row else None
-            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue)
+            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.attrs.get("pack"))
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
-                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"], epilogue)
+                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"], epilogue, k.attrs.get("pack"))
                 with mkl:
                     sgemm()
                     self._epilogue_pass(b, table, epilogue)
@@ -593,9 +593,11 @@ class ModuleBuilder:
         bias: Access | None,
         beta: float,
         epilogue: Epilogue | None,
+        pack: Any = None,
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
-        untransposed, [N, K] transposed), its rows or its 32-column panels split between ATen's
+        untransposed, [N, K] transposed, or in fast mode the [N, K] weight's panels packed once:
+        `pack`, a fast.GemmPack), its rows or its 32-column panels split between ATen's
         threads. The output starts as the bias row where `bias` is one, else as the copy of the
         bias into it (beta 1) or empty (beta 0). An epilogue (_epilogue) runs on each thread's
         rows right after them, while they are in its cache, where rows are split and its loop
@@ -610,7 +612,7 @@ class ModuleBuilder:
         from .. import gemmkernel  # built on this module's helpers
 
         name = gemmkernel.NAME_NK if blas["ta"] else gemmkernel.NAME  # linear's [N, K] weight, or [K, N]
-        fn = self.kernel(gemmkernel, name, gemmkernel.ARGS)
+        fn = self.kernel(gemmkernel, gemmkernel.NAME_PACKED if pack else name, gemmkernel.ARGS)
         x, w, c = operands
         m, n, kk = blas["n"], blas["m"], blas["k"]
 
@@ -635,8 +637,13 @@ class ModuleBuilder:
                     first, ldi = out, ld["ldc"]
                 else:
                     first, ldi = ll.Constant(PTR, None), I64(0)
-                weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
-                inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ld["lda"]]
+                if pack:  # (the entry checked that the panels are the weight's as it is now)
+                    panels = kb.inttoptr(I64(pack.address()), PTR)
+                    weight, ldw = at(panels, kb.mul(j0, I64(pack.depth))), I64(pack.depth)
+                else:
+                    weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
+                    ldw = ld["lda"]
+                inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ldw]
                 kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
                 if with_rows:  # (inside the BLAS clock of a clocked build: it cannot be told apart)
                     step = self.dim(kb, tbl, epilogue.row_step)

@@ -103,6 +103,7 @@ class Lowerer:
         self.inputs: list[str] = []
         self.param_syms: dict[int, Sym] = {}
         self.params: dict[str, torch.Tensor] = {}  # PARAM -> the model's tensor
+        self.given: dict[str, torch.Tensor] = {}  # INPUT -> the call's own tensor (fast.GemmPack's)
         self.base: dict[str, str] = {}  # view (or aliasing extern result) -> the value owning memory
         self.view_root: dict[str, str] = {}  # VIEW -> the value it is addressed from
         self.viewed: set[str] = set()
@@ -236,6 +237,7 @@ class Lowerer:
             return value  # specialised: the runtime guards the exact value
         sym = self.emit(Op.INPUT, (), to_meta(value), "x", label=node.name, index=index)
         self.inputs.append(sym.name)
+        self.given[sym.name] = value
         # Ops run on the first call's values, as eager runs them: a data-dependent result then
         # has eager's first layout, and an op that rejects zeros (cholesky) still lowers.
         self.real[sym.name] = _copy(value)

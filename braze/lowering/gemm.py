@@ -103,7 +103,8 @@ def _full_precision() -> None:
         raise NotNative("float32 matmul precision is reduced: ATen may call oneDNN's GEMM")
 
 
-def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
+def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: Sym | None = None) -> Sym:
+    """m1 @ m2 (+ bias), where m2 may be linear's `weight` transposed (fast mode may keep it packed)."""
     _full_precision()
     for t in (m1, m2) + ((bias,) if bias is not None else ()):
         if not is_float32(t):
@@ -120,7 +121,25 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float) -> Sym:
     beta = float(beta) if bias is not None else 0.0
     own = own_kernel(args, beta)
     one = not own and _one_thread(args, beta)
-    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one)
+    kept = _kept_pack(lw, weight, args)
+    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one, **kept)
+
+
+def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[str, Any]:
+    """Fast mode: the attributes that make braze's GEMM kernel, where it runs (own_kernel, which a
+    generic program decides after lowering), read linear's weight from panels packed once
+    (fast.GemmPack, checked by the entry on every call), for a contiguous parameter of the
+    model (a leaf of the module, or a TorchDynamo graph's input that is one) with a version
+    counter; none otherwise (the kernel packs it on every call, as in exact mode)."""
+    if not lw.fast or weight is None or not blas["ta"] or blas["lda"] != blas["k"]:
+        return {}
+    source = lw.owner(weight.name)
+    real = lw.params.get(source, lw.given.get(source))
+    if not isinstance(real, torch.nn.Parameter) or not real.is_contiguous() or jit.tensor_version(real) is None:
+        return {}
+    if real.shape[0] != blas["m"] or real.numel() != blas["m"] * blas["k"]:  # (a 1 x 1 convolution's too)
+        return {}
+    return {"pack": fast.GemmPack(real), "pack_source": source}
 
 
 def own_kernel(blas: dict[str, Any], beta: float) -> int:
@@ -268,11 +287,11 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         return packed
     wt = lw.view(w, torch.t)
     if b is not None and x.meta.dim() == 2:
-        return _gemm(lw, x, wt, b, 1.0)
+        return _gemm(lw, x, wt, b, 1.0, weight=w)
     vector = isinstance(b, Sym) and b.is_tensor and b.meta.squeeze().dim() == 1 and b.meta.is_contiguous()
     if vector and x.meta.is_contiguous():
-        return _gemm_on_rows(lw, x, wt, b, 1.0, out)
-    res = _matmul_of(lw, x, wt, out)
+        return _gemm_on_rows(lw, x, wt, b, 1.0, out, weight=w)
+    res = _matmul_of(lw, x, wt, out, weight=w)
     return res if b is None else lw.elementwise(Op.ADD, (res, b), out)
 
 
@@ -324,18 +343,18 @@ def _matmul(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return _matmul_of(lw, a, b, out)
 
 
-def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any) -> Sym:
+def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any, weight: Sym | None = None) -> Sym:
     """ATen's _matmul_impl, where it calls mm or bmm on views of its operands."""
     da, db = a.meta.dim(), b.meta.dim()
     if da == db == 2:
-        return _gemm(lw, a, b, None, 0.0)
+        return _gemm(lw, a, b, None, 0.0, weight)
     if da == 1 and db == 2:  # a.unsqueeze(0).mm(b).squeeze_(0)
         row = lw.view(a, lambda t: t.unsqueeze(0))
         return lw.view(_gemm(lw, row, b, None, 0.0), lambda t: t.squeeze(0))
     if da >= 3 and db == 2 and _folds(a.meta):
         # should_fold: the leading dimensions merge without a copy, so ATen folds them into the
         # rows of one mm (whether or not b requires grad), then views the result
-        return _gemm_on_rows(lw, a, b, None, 0.0, out)
+        return _gemm_on_rows(lw, a, b, None, 0.0, out, weight)
     if da >= 3 and db >= 3 and a.meta.shape[:-2] == b.meta.shape[:-2]:
         # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(batches, rows, cols),
         # which may give size-1 dimensions other strides (and so other BLAS arguments) or copy
@@ -349,11 +368,13 @@ def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any) -> Sym:
     raise NotNative("matmul ATen computes with a matrix-vector product, a copy or a broadcast batch")
 
 
-def _gemm_on_rows(lw: Lowerer, x: Sym, w: Sym, bias: Sym | None, beta: float, out: Any) -> Sym:
+def _gemm_on_rows(
+    lw: Lowerer, x: Sym, w: Sym, bias: Sym | None, beta: float, out: Any, weight: Sym | None = None
+) -> Sym:
     """A GEMM on x's leading dimensions merged into rows (a view: x is contiguous, or folds),
     its result viewed with `out`'s shape: ATen's _flatten_nd_linear and matmul's fold."""
     rows = lw.view(x, lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1]))
-    return lw.view(_gemm(lw, rows, w, bias, beta), lambda t: t.view(out.shape))
+    return lw.view(_gemm(lw, rows, w, bias, beta, weight), lambda t: t.view(out.shape))
 
 
 def _folds(t: torch.Tensor) -> bool:
