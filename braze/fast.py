@@ -15,7 +15,8 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              input of up to 4 channels (a network's first): braze's kernels (directconv.py)
     sdpa     attention (causal or masked, not dropout): braze's kernel (attention.py)
     GEMM     braze's GEMM kernel (exact mode's) on linear's weight packed once (GemmPack), where
-             exact mode packs it on every call
+             exact mode packs it on every call; one packed again more than REPACKS times is
+             read in place from then on
 
 An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
 
@@ -27,6 +28,7 @@ another tensor's version, is not seen.)
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -141,6 +143,21 @@ class PackedConv(Packed):
         return torch.ops.mkldnn._reorder_convolution_weight(w.contiguous(), *args), b
 
 
+REPACKS = 8  # a GemmPack packed again more often keeps changing: its weight is read in place
+_UNSTEADY: dict[int, weakref.ref] = {}  # such weights, by id
+
+
+def unsteady(weight: torch.Tensor) -> None:
+    """Pack `weight` no more (programs compiled from now on read it in place)."""
+    key = id(weight)
+    _UNSTEADY[key] = weakref.ref(weight, lambda _: _UNSTEADY.pop(key, None))
+
+
+def steady(weight: torch.Tensor) -> bool:
+    ref = _UNSTEADY.get(id(weight))
+    return ref is None or ref() is not weight
+
+
 class GemmPack:
     """Linear's weight [N, K] packed once for braze's GEMM kernel (gemmkernel.pack), and what it
     was packed from: the tensor (held, so that no other takes its address), its data pointer,
@@ -155,6 +172,7 @@ class GemmPack:
         self.depth = gemmkernel.packed_depth(self.shape[1])
         self.panels: torch.Tensor | None = None
         self.stamp: tuple[Any, ...] = (weight,)  # (what `address` packs from first)
+        self.repacks = 0  # packed again since the first time (Program.rearm: the weight changed)
 
     def __repr__(self) -> str:
         return f"GemmPack({self.shape[0]}x{self.shape[1]})"
@@ -183,6 +201,7 @@ class GemmPack:
         assert self.panels is not None
         with torch.no_grad():
             gemmkernel.pack(weight.detach().view(self.shape), self.panels)
+        self.repacks += len(self.stamp) > 1
         self.stamp = stamp(weight)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import config, entry
+from . import config, entry, fast
 from .codegen import Access, ModuleBuilder, Segment
 from .codegen.calls import Call, CallEmitter, Step, plan
 from .dims import Dim, Expr, value
@@ -235,7 +235,6 @@ class Program:
         self.packs = [(n.attrs["pack"], n.attrs["pack_source"]) for n in kept]
         for pack, _ in self.packs:
             pack.address()  # packed now, before the entry reads what it was packed from
-        self.repacks = 0  # how often a packed weight was packed again (it changed)
         spec = self._spec(lowered, guard, fresh)
         self.entry, self.body = self._build(spec, lowered)
 
@@ -257,15 +256,23 @@ class Program:
             return "a forward hook was added or removed"
         if any(_attributes(d) != was for d, was in self._attributes):
             return ATTRIBUTE_CHANGED
-        if not self._repacked(args):
-            return "a packed weight changed layout"
+        unpacked = self._repack(args)
+        if unpacked:
+            return unpacked
         self._descriptor.refresh_versions()  # (another training flag: the entry checks those it needs)
         self._descriptor.set_dispatch_state([a for a in args if isinstance(a, torch.Tensor)] + self.params)
         return ""
 
-    def _repacked(self, args: tuple[Any, ...]) -> bool:
+    @property
+    def repacks(self) -> int:
+        """How often its packed weights were packed again (they changed)."""
+        return sum(pack.repacks for pack, _ in self.packs)
+
+    def _repack(self, args: tuple[Any, ...]) -> str:
         """Pack again each weight that changed since it was packed (another tensor, moved, or
-        changed in place); False where one no longer fits its pack."""
+        changed in place); or say why the program compiles again: a weight no longer fits its
+        pack, or one keeps changing (packed again more than fast.REPACKS times: a training loop
+        between calls, weight sets taking turns), which the program then reads in place."""
         inputs = {n.name: n.attrs["index"] for n in self.graph.nodes if n.op is Op.INPUT}
         current = dict(zip(self.param_names, self.params))
         for pack, source in self.packs:
@@ -273,11 +280,13 @@ class Program:
             if not pack.stale(t):
                 continue
             if not pack.fits(t):
-                return False
+                return "a packed weight changed layout"
+            if pack.repacks >= fast.REPACKS:
+                fast.unsteady(t)
+                return "a packed weight keeps changing: it is read in place"
             pack.repack(t)
-            self.repacks += 1
         self._descriptor.refresh_packs()
-        return True
+        return ""
 
     def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Read `new` where the program read `old`: a parameter or buffer of the model replaced

@@ -222,6 +222,26 @@ def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
 
 
 @torch.no_grad()
+def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
+    # (an optimizer's steps between calls): each change is one slow call and a pack, until the
+    # program is compiled again without packing that weight
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
+    x = torch.randn(256, 64)
+    compiled = braze.compile(model, mode="fast")
+    for _ in range(fast.REPACKS + 3):
+        model[0].weight.add_(0.01)
+        assert torch.equal(compiled(x), model(x))
+    assert len(compiled.compilations) == 2
+    assert "keeps changing" in compiled.compilations[-1].why
+    assert _packs(compiled)[-1] == 1  # the other weight's pack is kept
+    slow = compiled._slow_calls
+    model[0].weight.add_(0.01)
+    assert torch.equal(compiled(x), model(x))
+    assert compiled._slow_calls == slow
+
+
+@torch.no_grad()
 def test_weights_without_a_version_counter_are_packed_per_call():
     with torch.inference_mode():  # an inference tensor has no version counter to watch
         torch.manual_seed(0)

@@ -137,6 +137,8 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
     real = lw.params.get(source, lw.given.get(source))
     if not isinstance(real, torch.nn.Parameter) or not real.is_contiguous() or jit.tensor_version(real) is None:
         return {}
+    if not fast.steady(real):  # packed again and again before: read in place
+        return {}
     if real.shape[0] != blas["m"] or real.numel() != blas["m"] * blas["k"]:  # (a 1 x 1 convolution's too)
         return {}
     return {"pack": fast.GemmPack(real), "pack_source": source}
