@@ -47,6 +47,7 @@ from .codegen import (
     PTR,
     VOID,
     counted_loop,
+    declared,
     fma,
     lanes_below,
     masked_load,
@@ -97,13 +98,16 @@ def carried(
     return final
 
 
-def block_kernel(module: ll.Module, prefix: str, mr: int) -> ll.Function:
+BLOCK_ARGS = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64]
+BLOCKS = "braze_gemm_block"  # the block kernels the GEMM kernels share: braze_gemm_block_{mr}
+
+
+def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False) -> ll.Function:
     """(x, lda, panel, ldp, K, out, ldo, ncols, init, ldi): out[r, :ncols] = init[r ldi :
     +ncols] + sum_k x[r, k] panel[k ldp : +32] for r < mr, the sum one FMA chain from 0 in the
     order of k (init null: the sum alone). ncols <= 32; the panel's 32 columns are read whole."""
-    args = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64]
-    f = ll.Function(module, ll.FunctionType(VOID, args), f"{prefix}_{mr}")
-    f.linkage = "internal"
+    f = ll.Function(module, ll.FunctionType(VOID, BLOCK_ARGS), f"{prefix}_{mr}")
+    f.linkage = "external" if exported else "internal"
     f.attributes.add("noinline")  # six inlined copies took the optimiser 4x as long
     x, lda, panel, ldp, k, out, ldo, ncols, init, ldi = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
@@ -236,7 +240,7 @@ def _panel_packed(
 
 
 def _rows(module: ll.Module, name: str, panel_of: Callable) -> None:
-    kernels = {mr: block_kernel(module, name, mr) for mr in range(1, MR + 1)}
+    kernels = {mr: declared(module, f"{BLOCKS}_{mr}", VOID, BLOCK_ARGS) for mr in range(1, MR + 1)}
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), name)
     x, ldx, w, ldw, c, ldc, init, ldi, n, k, lo, hi = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
@@ -269,7 +273,12 @@ _BUILDERS = {NAME: _panel_kn, NAME_NK: _panel_nk, NAME_PACKED: _panel_packed}
 
 
 def library(kernel: str) -> int:
-    """The kernel's address (jit.kernel: built alone when first needed)."""
+    """The kernel's address (jit.kernel: built alone when first needed, on the block kernels,
+    built once for all of them: they are most of the compile time)."""
+    blocks = tuple(f"{BLOCKS}_{mr}" for mr in range(1, MR + 1))
+    jit.kernel(
+        blocks[0], lambda module: [block_kernel(module, BLOCKS, mr, exported=True) for mr in range(1, MR + 1)], blocks
+    )
     return jit.kernel(kernel, lambda module: _rows(module, kernel, _BUILDERS[kernel]))
 
 

@@ -502,16 +502,17 @@ def realigned(module: ll.Module) -> ll.Module:
     return module
 
 
-def kernel(name: str, write: Callable[[ll.Module], None]) -> int:
+def kernel(name: str, write: Callable[[ll.Module], Any], exported: tuple[str, ...] = ()) -> int:
     """The address of kernel `name`, which write(module) defines: compiled alone (so a model
     compiles only the kernels it uses) once per process, when a probe or program first needs it
     (a lock: two threads' first calls must not load it twice), at -O2, and callable by name from
-    modules compiled later."""
+    modules compiled later (as are the `exported` functions it defines beside it)."""
     with _kernel_lock:
         if name not in _kernels:
             module = ll.Module(name)
             write(module)
-            compiled = compile_module(str(realigned(module)), [name], opt_level=2, want_text=False)
+            names = list(dict.fromkeys([name, *exported]))
+            compiled = compile_module(str(realigned(module)), names, opt_level=2, want_text=False)
             define_symbols(compiled.addresses)
             _kernels[name] = compiled.addresses[name]
         return _kernels[name]
