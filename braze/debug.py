@@ -46,8 +46,10 @@ def _fusion(prog: Program) -> str:
             bias = "bias + " if n.inputs[2] is not None else ""
             one = " (on one thread)" if n.attrs.get("one_thread") else ""
             call = "braze's GEMM kernel (MKL's order)" if n.attrs.get("own_kernel") else f"sgemm_{one}"
+            kept = n.attrs.get("own_kernel") and n.attrs.get("pack")
+            pack = f" (weight {n.attrs['pack_source']} packed once, checked every call)" if kept else ""
             lines.append(
-                f"  {n.name}: {call} {bias}{n.inputs[0]} @ {n.inputs[1]}" + (f", epilogue {epi}" if epi else "")
+                f"  {n.name}: {call} {bias}{n.inputs[0]} @ {n.inputs[1]}{pack}" + (f", epilogue {epi}" if epi else "")
             )
         elif n.op is Op.CAT:
             lines.append(f"  {n.name}: copies of {', '.join(n.inputs)} along dimension {n.attrs['dim']}")

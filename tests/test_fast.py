@@ -202,6 +202,8 @@ def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
     run = (lambda: compiled(x, mask=None)) if dynamo else (lambda: compiled(x))
     assert torch.equal(run(), model(x))  # the kernel is exact mode's, its weight read from the pack
     assert _packs(compiled) == [2]
+    if not dynamo:
+        assert str(braze.explain(compiled, x)).count("packed once, checked every call") == 2
     calls = compiled._subgraphs if dynamo else [compiled]
     slow = sum(c._slow_calls for c in calls)
     assert torch.equal(run(), model(x))
