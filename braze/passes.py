@@ -259,12 +259,38 @@ def memoize(graph: Graph) -> Graph:
     """Mark attrs['memo'] on the ATen calls whose results follow from the call's sizes alone
     (lowering marks them `sizes`: deterministic calls of sizes, constants and such results, as
     Hugging Face's causal masks, position ids and T5's position buckets). The program keeps them
-    per sizes instead of making them at every call (runtime.py); none may be changed in place,
-    returned, or a view of what is."""
+    per sizes instead of making them at every call (runtime.py); none may be returned, or a view
+    of what is, or be changed in place, but by a call of the sizes alone that is the only reader
+    of what it changes (T5's `buckets += torch.where(...)`): made once per sizes, then, as well."""
     by_name = graph.node_map()
     owner = {n.name: _owner(n, by_name) for n in graph.nodes}
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for v in n.value_inputs():
+            readers.setdefault(v, []).append(n.name)
     barred = {owner[o] for o in graph.outputs}
-    barred |= {owner[v] for n in graph.nodes for v in n.attrs.get("mutates", ())}
+    barred |= {
+        owner[v]
+        for n in graph.nodes
+        for v in n.attrs.get("mutates", ())
+        if not (n.attrs.get("sizes") and owner[v] == v and readers.get(v) == [n.name])
+    }
+    while True:  # (a change made at every call must not change a kept value: bar it, and again)
+        memo = _memoizable(graph, owner, barred)
+        unkept = {owner[v] for n in graph.nodes if n.name not in memo for v in n.attrs.get("mutates", ())}
+        if not unkept - barred:
+            break
+        barred |= unkept
+    nodes = (
+        dataclasses.replace(n, attrs={**n.attrs, "memo": True}) if n.op is Op.EXTERN and n.name in memo else n
+        for n in graph.nodes
+    )
+    return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def _memoizable(graph: Graph, owner: dict[str, str], barred: set[str]) -> set[str]:
+    """The ATen calls of the sizes alone (and views of them) whose memory is not barred, and
+    whose inputs are such calls too."""
     memo: set[str] = set()
     for n in graph.nodes:
         known = all(v in memo for v in n.value_inputs())
@@ -272,11 +298,7 @@ def memoize(graph: Graph) -> Graph:
             memo.add(n.name)
         elif n.op is Op.EXTERN and known and n.attrs.get("sizes") and owner[n.name] not in barred:
             memo.add(n.name)
-    nodes = (
-        dataclasses.replace(n, attrs={**n.attrs, "memo": True}) if n.op is Op.EXTERN and n.name in memo else n
-        for n in graph.nodes
-    )
-    return dataclasses.replace(graph, nodes=tuple(nodes))
+    return memo
 
 
 PIPELINE: tuple[Pass, ...] = (dce, memoize, fuse_elementwise, fuse_epilogue, plan_memory)

@@ -496,7 +496,7 @@ def map_tree(fn: Callable[[Any], Any], tree: Any) -> Any:
 # these calls of sizes, constants and such results per sizes, so they are ATen calls there (views
 # aside) even where braze has a native kernel.
 FACTORIES = frozenset({torch.tensor, torch.zeros, torch.ones, torch.full, torch.arange, torch.linspace})
-_OPERATORS = "add sub mul truediv floordiv mod neg invert and_ or_ xor eq ne lt le gt ge getitem"
+_OPERATORS = "add sub mul truediv floordiv mod neg invert and_ or_ xor eq ne lt le gt ge getitem iadd isub imul"
 _FUNCTIONS = "diff cumsum where tril triu eq ne lt le gt ge logical_and logical_or logical_not abs log"
 _FUNCTIONS += " min max maximum minimum full_like zeros_like ones_like"
 _METHODS = "cumsum new_ones new_zeros new_full to float long int bool masked_fill tril triu eq ne lt le gt ge"
