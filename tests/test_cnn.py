@@ -208,6 +208,18 @@ def test_global_average_pool_is_atens_mean(shape):
     check_model(nn.AdaptiveAvgPool2d(2), (special(2, 3, 7, 9),), externs=1)  # windows: ATen's kernel
 
 
+@pytest.mark.parametrize("layer", [True, False], ids=["layer", "functional"])
+def test_a_global_average_pool_braze_cannot_match_is_called_from_native_code(layer):
+    # a channels-last input's mean takes ATen's other loops: ATen's pooling, called from the
+    # native body (ConvNeXt's head: the program stays native, its convolutions too)
+    x = special(2, 8, 7, 9).contiguous(memory_format=torch.channels_last) * 5 + 1
+    model = nn.Sequential(nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)).eval()
+    functional = lambda t: F.adaptive_avg_pool2d(t.relu(), 1) * 2  # noqa: E731
+    compiled = check_model(model if layer else functional, (x,), externs=1)
+    prog = compiled.programs()[-1]
+    assert prog.native and [label for label, _ in prog.externs] == ["adaptive_avg_pool2d (ATen's)"]
+
+
 def _small_cnn() -> nn.Module:
     torch.manual_seed(0)
 

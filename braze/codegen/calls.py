@@ -35,6 +35,7 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.gather: ("aten::gather", ""),
     torch.Tensor.gather: ("aten::gather", ""),
     torch.conv2d: ("aten::conv2d", ""),
+    torch._C._nn.adaptive_avg_pool2d: ("aten::adaptive_avg_pool2d", ""),
 }
 
 NULL = ll.Constant(PTR, None)

@@ -64,7 +64,11 @@ def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: A
         raise NotNative("adaptive_avg_pool2d of a tensor that is not (C, H, W) or (N, C, H, W)")
     if lw.fast and is_float32(x) and pixel_rows(x.meta, out):
         return _pixel_mean(lw, x, out)
-    return _sum(mean=True)(lw, torch.mean, (x, (-2, -1), True), {}, out)
+    try:
+        return _sum(mean=True)(lw, torch.mean, (x, (-2, -1), True), {}, out)
+    except NotNative as e:  # ATen's own, as the functional call: native code calls it (codegen/calls.py)
+        label = "adaptive_avg_pool2d (ATen's)"
+        return lw.extern(torch._C._nn.adaptive_avg_pool2d, (x, [1, 1]), {}, label, str(e), out)
 
 
 def _pixel_mean(lw: Lowerer, x: Sym, out: torch.Tensor) -> Sym:
