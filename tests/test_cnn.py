@@ -220,6 +220,42 @@ def test_a_global_average_pool_braze_cannot_match_is_called_from_native_code(lay
     assert prog.native and [label for label, _ in prog.externs] == ["adaptive_avg_pool2d (ATen's)"]
 
 
+_ATEN_FROM_NATIVE = {  # layers and calls braze has no kernel for: ATen's op, called from the native body
+    "avg_pool2d layer": (nn.AvgPool2d(3, 1, 1, count_include_pad=False), "avg_pool2d (ATen's)"),
+    "avg_pool2d": (lambda t: F.avg_pool2d(t, 2, ceil_mode=True), "torch._C._nn.avg_pool2d"),
+    "group_norm layer": (nn.GroupNorm(2, 8), "group_norm (ATen's)"),
+    "group_norm, no affine": (nn.GroupNorm(4, 8, affine=False), "group_norm (ATen's)"),
+    "group_norm": (lambda t: F.group_norm(t, 4, eps=1e-3), "F.group_norm"),
+    "adaptive pool to 2 x 3": (nn.AdaptiveAvgPool2d((2, 3)), "adaptive_avg_pool2d (ATen's)"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ATEN_FROM_NATIVE))
+@pytest.mark.parametrize("shape", [(2, 8, 11, 13), (1, 8, 1, 7)], ids=str)
+def test_pools_and_norms_braze_has_no_kernel_for_are_called_from_native_code(case, shape):
+    op, label = _ATEN_FROM_NATIVE[case]
+    # (a fresh output after it: the body can be native)
+    model = nn.Sequential(nn.ReLU(), op, nn.ReLU()) if isinstance(op, nn.Module) else lambda t: op(t.relu()) * 2
+    compiled = check_model(model, (special(*shape),), externs=1)
+    prog = compiled.programs()[-1]
+    assert prog.native and [name for name, _ in prog.externs] == [label]
+
+
+@pytest.mark.parametrize("channels", [7, 8])
+@torch.no_grad()
+def test_a_group_norm_eager_refuses_raises_eagers_error(channels):
+    layer = nn.GroupNorm(2, 6)  # its weight has 6 channels
+    model = nn.Sequential(nn.ReLU(), layer, nn.ReLU())
+    x = torch.randn(2, channels, 4, 4)
+    with pytest.raises(RuntimeError) as eager:
+        model(x)
+    compiled = braze.compile(model)
+    compiled(torch.randn(2, 6, 4, 4))  # compiled for 6 channels; then a call eager refuses
+    with pytest.raises(RuntimeError) as ours:
+        compiled(x)
+    assert str(ours.value) == str(eager.value)
+
+
 def _small_cnn() -> nn.Module:
     torch.manual_seed(0)
 

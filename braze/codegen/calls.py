@@ -36,6 +36,8 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.Tensor.gather: ("aten::gather", ""),
     torch.conv2d: ("aten::conv2d", ""),
     torch._C._nn.adaptive_avg_pool2d: ("aten::adaptive_avg_pool2d", ""),
+    torch._C._nn.avg_pool2d: ("aten::avg_pool2d", ""),  # F.avg_pool2d
+    torch.nn.functional.group_norm: ("aten::group_norm", ""),  # its checks: ATen's raise too (then eager's)
 }
 
 NULL = ll.Constant(PTR, None)

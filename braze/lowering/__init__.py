@@ -11,8 +11,10 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
     elementwise.py  arithmetic, comparisons, activations, clamps
     views.py        views, conversions, cat/stack, identity, dropout
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
-    rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels
-    pool.py         max_pool2d through braze's pooling kernel; adaptive_avg_pool2d to 1 x 1 (a mean)
+    rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels;
+                    a GroupNorm layer as ATen's group_norm called from native code
+    pool.py         max_pool2d through braze's pooling kernel; adaptive_avg_pool2d to 1 x 1 (a mean);
+                    ATen's avg_pool2d and other adaptive pools called from native code
     conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
     index.py        embedding as native row copies
     transformer.py  nn.TransformerEncoderLayer's fused fast path, as the ops its CPU kernel runs
@@ -57,8 +59,8 @@ from .elementwise import (
 )
 from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
 from .index import _embedding
-from .pool import _adaptive_avg_pool2d, _max_pool2d
-from .rows import _layer_norm, _softmax, _sum
+from .pool import _adaptive_avg_pool2d, _avg_pool2d, _max_pool2d
+from .rows import _group_norm, _layer_norm, _softmax, _sum
 from .transformer import _encoder_layer
 from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op, _views
 
@@ -186,6 +188,8 @@ def _rows() -> None:
     register(F.batch_norm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)(_batch_norm)
     register(F.max_pool2d, torch.max_pool2d, nn.MaxPool2d)(_max_pool2d)
     register(F.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d)(_adaptive_avg_pool2d)
+    register(nn.AvgPool2d)(_avg_pool2d)
+    register(nn.GroupNorm)(_group_norm)
     register(F.conv2d, torch.conv2d, nn.Conv2d)(_conv2d)
     register(F.embedding, nn.Embedding)(_embedding)
     register(torch._transformer_encoder_layer_fwd)(_encoder_layer)

@@ -17,7 +17,7 @@ from torch.nn.modules.utils import _pair
 from .. import fast
 from ..ir import Op
 from . import gemm
-from .core import Lowerer, NotNative, Sym, is_float32, no_out, to_meta
+from .core import Lowerer, NotNative, Sym, is_float32, no_out, plain_layer, to_meta
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
@@ -75,13 +75,11 @@ def _plain(layer: Any) -> bool:
     """An nn.Conv2d whose call is torch.conv2d of its own parameters and settings: its class's
     forward, zeros padding given by numbers, no parametrized weight."""
     return (
-        isinstance(layer, torch.nn.Conv2d)
-        and type(layer).forward is torch.nn.Conv2d.forward
+        plain_layer(layer, torch.nn.Conv2d)
         and type(layer)._conv_forward is torch.nn.Conv2d._conv_forward
         and layer.padding_mode == "zeros"
         and not isinstance(layer.padding, str)
-        and not torch.nn.utils.parametrize.is_parametrized(layer)
-    )  # (a layer with hooks never gets here: Lowerer._native_or_extern calls it as itself)
+    )
 
 
 def pixel_rows(x: torch.Tensor, out: Any) -> bool:

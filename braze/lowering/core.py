@@ -522,6 +522,17 @@ def _syms(args: tuple, kwargs: dict) -> list[Sym]:
     return [v for v in leaves((args, kwargs)) if isinstance(v, Sym)]
 
 
+def plain_layer(layer: Any, cls: type) -> bool:
+    """Whether `layer` is a `cls` whose call is its class's own (that function of its settings
+    and parameters, none parametrized): lowerings may make the call it makes themselves. (A
+    layer with hooks never gets to a lowering: Lowerer._native_or_extern calls it as itself.)"""
+    return (
+        isinstance(layer, cls)
+        and type(layer).forward is cls.forward
+        and not torch.nn.utils.parametrize.is_parametrized(layer)
+    )
+
+
 def leaves(tree: Any) -> list[Any]:
     """pytree.tree_leaves, with a slice's start, stop and step as leaves."""
     out: list[Any] = []

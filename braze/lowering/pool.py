@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
 from .. import pool
 from ..ir import Op
 from . import gemm
 from .conv import pixel_rows
-from .core import Lowerer, NotNative, Sym, is_float32, no_out
+from .core import Lowerer, NotNative, Sym, is_float32, no_out, plain_layer
 from .rows import _sum
 
 _MAX_POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
@@ -51,24 +52,40 @@ def _max_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
 
 
 def _adaptive_avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """adaptive_avg_pool2d to 1 x 1, which ATen computes as the mean over the last two dimensions."""
+    """adaptive_avg_pool2d to 1 x 1, which ATen computes as the mean over the last two
+    dimensions; else (other sizes, or a mean braze cannot match) ATen's own, as the functional
+    call makes it, which native code calls (codegen/calls.py)."""
     no_out(kwargs)
     if isinstance(fn, torch.nn.AdaptiveAvgPool2d):
         x, size = args[0], fn.output_size
     else:
         given = dict(zip(("input", "output_size"), args)) | kwargs
         x, size = given.get("input"), given.get("output_size")
-    if _pair(size) != (1, 1):
-        raise NotNative("adaptive_avg_pool2d to a size other than 1 x 1 (ATen's windowed kernel)")
     if not (isinstance(x, Sym) and x.is_tensor and x.meta.dim() in (3, 4)):
         raise NotNative("adaptive_avg_pool2d of a tensor that is not (C, H, W) or (N, C, H, W)")
-    if lw.fast and is_float32(x) and pixel_rows(x.meta, out):
-        return _pixel_mean(lw, x, out)
-    try:
-        return _sum(mean=True)(lw, torch.mean, (x, (-2, -1), True), {}, out)
-    except NotNative as e:  # ATen's own, as the functional call: native code calls it (codegen/calls.py)
-        label = "adaptive_avg_pool2d (ATen's)"
-        return lw.extern(torch._C._nn.adaptive_avg_pool2d, (x, [1, 1]), {}, label, str(e), out)
+    # F.adaptive_avg_pool2d's own defaulting: None keeps the input's size
+    size = [d if s is None else s for s, d in zip(_pair(size), x.meta.shape[-2:])]
+    why = "adaptive_avg_pool2d to a size other than 1 x 1 (ATen's windowed kernel)"
+    if size == [1, 1]:
+        if lw.fast and is_float32(x) and pixel_rows(x.meta, out):
+            return _pixel_mean(lw, x, out)
+        try:
+            return _sum(mean=True)(lw, torch.mean, (x, (-2, -1), True), {}, out)
+        except NotNative as e:
+            why = str(e)
+    return lw.extern(torch._C._nn.adaptive_avg_pool2d, (x, size), {}, "adaptive_avg_pool2d (ATen's)", why, out)
+
+
+_AVG_POOL_ARGS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+
+
+def _avg_pool2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """An AvgPool2d layer as the functional call it makes: ATen's avg_pool2d (braze has no
+    kernel of its own), which native code calls (codegen/calls.py)."""
+    if not plain_layer(fn, torch.nn.AvgPool2d) or kwargs or len(args) != 1:
+        raise NotNative("an AvgPool2d layer whose call is more than ATen's avg_pool2d")
+    given = (args[0], *(getattr(fn, k) for k in _AVG_POOL_ARGS))
+    return lw.extern(F.avg_pool2d, given, {}, "avg_pool2d (ATen's)", "ATen's average pooling", out)
 
 
 def _pixel_mean(lw: Lowerer, x: Sym, out: torch.Tensor) -> Sym:

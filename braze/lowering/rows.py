@@ -8,10 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .. import rows, sleef
 from ..ir import Op
-from .core import Lowerer, NotNative, Sym, is_float32, no_out
+from .core import Lowerer, NotNative, Sym, is_float32, no_out, plain_layer
 
 
 def _layer_norm_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, Any, Any, Any]:
@@ -118,3 +119,14 @@ def _sum(mean: bool) -> Callable[..., Sym]:
         return total if tuple(out.shape) == lead else lw.view(total, lambda t: t.view(out.shape))
 
     return row
+
+
+def _group_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """A GroupNorm layer as the functional call it makes: ATen's group_norm (braze has no kernel
+    of its own), which native code calls (codegen/calls.py)."""
+    if not plain_layer(fn, torch.nn.GroupNorm) or kwargs or len(args) != 1:
+        raise NotNative("a GroupNorm layer whose call is more than ATen's group_norm")
+    w = None if fn.weight is None else lw.param(fn.weight, "weight")
+    b = None if fn.bias is None else lw.param(fn.bias, "bias")
+    given = (args[0], fn.num_groups, w, b, fn.eps)
+    return lw.extern(F.group_norm, given, {}, "group_norm (ATen's)", "ATen's group_norm", out)
