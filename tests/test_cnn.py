@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import braze
 from braze import jit, pool
 
-from .helpers import check_model, probe_with
+from .helpers import assert_same, check_model, probe_with
 from .test_ops import special
 
 nn = torch.nn
@@ -254,6 +254,44 @@ def test_a_group_norm_eager_refuses_raises_eagers_error(channels):
     with pytest.raises(RuntimeError) as ours:
         compiled(x)
     assert str(ours.value) == str(eager.value)
+
+
+def stochastic_depth(x: torch.Tensor, p: float, mode: str, training: bool = True) -> torch.Tensor:
+    """torchvision.ops.stochastic_depth as torchvision defines it (its input in eval), under its
+    name: the lowering registry finds torchvision's function by name (braze does not import it)."""
+    if not training or p == 0.0:
+        return x
+    keep = torch.empty([x.shape[0]] + [1] * (x.dim() - 1)).bernoulli_(1.0 - p)
+    return x * keep.div_(1.0 - p)
+
+
+stochastic_depth.__module__, stochastic_depth.__qualname__ = "torchvision.ops.stochastic_depth", "stochastic_depth"
+torch.fx.wrap("stochastic_depth")  # as torchvision wraps it: a call in the traced graph
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return x + stochastic_depth(self.conv(x), 0.2, "row", self.training)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_stochastic_depth_in_eval_is_its_input(training):
+    model = _Residual().train(training)
+    x = torch.randn(2, 4, 9, 9)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        want = model(x)
+        compiled = braze.compile(model)
+        torch.manual_seed(0)
+        assert_same(compiled(x), want)
+    labels = [label for label, _ in compiled.programs()[-1].externs]
+    assert labels == ["torch.conv2d (a Conv2d layer's)"] + (
+        [stochastic_depth.__module__ + ".stochastic_depth"] if training else []
+    )
 
 
 def _small_cnn() -> nn.Module:

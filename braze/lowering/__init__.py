@@ -62,7 +62,7 @@ from .index import _embedding
 from .pool import _adaptive_avg_pool2d, _avg_pool2d, _max_pool2d
 from .rows import _group_norm, _layer_norm, _softmax, _sum
 from .transformer import _encoder_layer
-from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _view_op, _views
+from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _stochastic_depth, _view_op, _views
 
 __all__ = [
     "LOWERINGS",
@@ -146,6 +146,7 @@ def _rows() -> None:
     register(nn.Identity)(_identity)
     register("to", "type", "type_as", "float", "double", "cpu")(_conversion)
     register(F.dropout, nn.Dropout)(_dropout)
+    register("torchvision.ops.stochastic_depth.stochastic_depth")(_stochastic_depth)
     register(
         torch.reshape,
         torch.flatten,

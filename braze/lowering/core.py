@@ -77,7 +77,8 @@ def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return base.as_strided(m.shape, m.stride, m.offset)
 
 
-# The registry: op key (a torch callable, a method name or a module class) -> its row, which takes
+# The registry: op key (a torch callable, a method name, a module class, or the "module.name" of a
+# function of a library braze does not import, as torchvision's) -> its row, which takes
 # (lowerer, fn, args, kwargs, meta result) and returns a Sym, or raises NotNative.
 LOWERINGS: dict[Any, Callable[..., Sym]] = {}
 # Output layouts of ops whose Python meta kernels would import sympy (see _example_call).
@@ -264,7 +265,7 @@ class Lowerer:
         target = node.target
         if target is operator.setitem and isinstance(args[0], Sym) and args[0].is_tensor:
             target = _assign  # returns the tensor it changed, which later nodes read
-        return self.call(target, args, kwargs, key=node.target, label=_fn_name(node.target))
+        return self.call(target, args, kwargs, key=_key(node.target), label=_fn_name(node.target))
 
     def call(self, fn: Any, args: tuple, kwargs: dict, key: Any, label: str) -> Any:
         """Lower one torch-level call: fold constants, else a native row, else EXTERN."""
@@ -520,6 +521,15 @@ def _among(fn: object, calls: frozenset) -> bool:
 def _syms(args: tuple, kwargs: dict) -> list[Sym]:
     """The IR values among a call's arguments, in order (repeats kept)."""
     return [v for v in leaves((args, kwargs)) if isinstance(v, Sym)]
+
+
+def _key(fn: Any) -> Any:
+    """A function's registry key: itself, or its name where that has the row
+    ("torchvision.ops.stochastic_depth.stochastic_depth")."""
+    if _among(fn, LOWERINGS):
+        return fn
+    name = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None)}"
+    return name if name in LOWERINGS else fn
 
 
 def plain_layer(layer: Any, cls: type) -> bool:

@@ -1,5 +1,5 @@
 """Rows that move data or only its description: views (free: new metadata), conversions that
-return their input, cat and stack (copy loops), identity and dropout in eval."""
+return their input, cat and stack (copy loops), identity, dropout and stochastic depth in eval."""
 
 from __future__ import annotations
 
@@ -63,6 +63,15 @@ def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     if training:
         raise NotNative("dropout in training mode is random")
     return args[0]
+
+
+def _stochastic_depth(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """torchvision's stochastic_depth(input, p, mode, training): its input itself when not
+    training (or p is 0), as it returns it (torchvision's EfficientNet, ConvNeXt, Swin in eval)."""
+    given = dict(zip(("input", "p", "mode", "training"), args)) | kwargs
+    if given.get("training", True) and given["p"] != 0.0:
+        raise NotNative("stochastic depth in training mode is random")
+    return given["input"]
 
 
 def _view_op(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
