@@ -220,6 +220,33 @@ def test_extern_ops_match_eager(name, fn, shape):
     check_model(lambda t: fn(t * 0.5) + 1, (x,))
 
 
+# Calls braze leaves to ATen that native code makes itself (codegen/calls.py's DISPATCHED rows):
+# the program keeps one native body
+FROM_NATIVE = [
+    ("linear that copies", lambda x: F.linear(x.expand(2, *x.shape).transpose(1, 2), torch.ones(5, x.shape[0]))),
+    ("matmul that broadcasts", lambda x: torch.matmul(x.expand(2, *x.shape), x.t())),
+    ("roll", lambda x: torch.roll(x, 2, 0)),
+    ("roll (method)", lambda x: x.roll((1, -3), (0, 1))),
+    ("repeat", lambda x: x.repeat((2, 1, 3))),
+    ("cumsum", lambda x: torch.cumsum(x, 0)),
+    ("cumsum (method)", lambda x: x.cumsum(-1)),
+    ("mean over a leading dimension", lambda x: x.mean(0)),
+    ("mean over dimensions", lambda x: torch.mean(x.t(), dim=(0, 1), keepdim=True)),
+]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33)], ids=str)
+@pytest.mark.parametrize("name,fn", FROM_NATIVE, ids=[r[0] for r in FROM_NATIVE])
+def test_aten_calls_from_native_code_match_eager(name, fn, shape):
+    model = lambda t: fn(t * 0.5) * 2  # noqa: E731
+    with torch.no_grad():
+        compiled = check_model(model, (special(*shape),))
+    (prog,) = compiled.programs()
+    calls = [why for _, why in prog.externs if "made once per sizes" not in why]  # (not torch.ones)
+    assert prog.native and all(why.endswith("called from native code") for why in calls)
+    assert calls or shape == (1, 1)  # (braze's own mean of one element)
+
+
 def test_extern_between_native_kernels():
     compiled = check_model(lambda x: torch.sinh(x * 2 + 1) * 3 - 1, (torch.randn(33, 7),), kernels=2, externs=1)
     assert compiled.programs()[0].externs[0][0].endswith("sinh")

@@ -38,6 +38,16 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch._C._nn.adaptive_avg_pool2d: ("aten::adaptive_avg_pool2d", ""),
     torch._C._nn.avg_pool2d: ("aten::avg_pool2d", ""),  # F.avg_pool2d
     torch.nn.functional.group_norm: ("aten::group_norm", ""),  # its checks: ATen's raise too (then eager's)
+    torch._C._nn.linear: ("aten::linear", ""),  # F.linear
+    torch.matmul: ("aten::matmul", ""),
+    torch.nn.functional.silu: ("aten::silu", ""),  # (inplace=True: another op, not dispatched)
+    torch.roll: ("aten::roll", ""),
+    torch.Tensor.roll: ("aten::roll", ""),
+    torch.Tensor.repeat: ("aten::repeat", ""),
+    torch.cumsum: ("aten::cumsum", ""),
+    torch.Tensor.cumsum: ("aten::cumsum", ""),
+    torch.mean: ("aten::mean", "dim"),  # (mean of all elements, the overload without dims: not dispatched)
+    torch.Tensor.mean: ("aten::mean", "dim"),
 }
 
 NULL = ll.Constant(PTR, None)
@@ -94,10 +104,10 @@ def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
     """The stack word of an argument of type `schema_type` (`n`: a list's length, where fixed)."""
     optional = schema_type.startswith("Optional[")
     inner = schema_type.removeprefix("Optional[").removesuffix("]") if optional else schema_type
-    if inner == "List[int]" and not optional:  # int[2] given one int means it twice, as in Python
+    if inner == "List[int]" and value is not None:  # int[2] given one int means it twice, as in Python
         values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
         if all(isinstance(v, (int, Expr)) and not isinstance(v, bool) for v in values):
-            return Arg("ints", values)
+            return Arg("ints", values, optional)
         return None
     if value is None:
         return Arg("none") if optional else None
