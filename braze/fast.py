@@ -191,25 +191,25 @@ class GemmPack:
         return self.panels.data_ptr()
 
     def stale(self, weight: torch.Tensor) -> bool:
-        now = stamp(weight)
-        return self.stamp[0] is not weight or self.stamp[1:] != now[1:]
+        return self.stamp[0] is not weight or self.stamp != stamp(weight)
 
     def fits(self, weight: torch.Tensor) -> bool:
         return (tuple(weight.shape), weight.stride()) == self.layout and jit.tensor_version(weight) is not None
 
     def repack(self, weight: torch.Tensor) -> None:
+        """Pack `weight` (one that fits) into the panels."""
         assert self.panels is not None
         with torch.no_grad():
             gemmkernel.pack(weight.detach().view(self.shape), self.panels)
-        self.repacks += len(self.stamp) > 1
+        if len(self.stamp) > 1:  # (not the first packing)
+            self.repacks += 1
         self.stamp = stamp(weight)
 
 
 def stamp(weight: torch.Tensor) -> tuple[Any, ...]:
-    """(weight, data pointer, version counter, count): the entry's words for a GemmPack."""
-    counter = jit.tensor_version(weight)
-    assert counter is not None  # (lowering keeps no pack of a tensor without one)
-    return (weight, weight.data_ptr(), *counter)
+    """(weight, data pointer, version counter, count): the entry's words for a GemmPack; the
+    weight alone where it has no counter (an inference tensor: no pack fits it)."""
+    return (weight, weight.data_ptr(), *(jit.tensor_version(weight) or ()))
 
 
 def packed_linear(packed: PackedLinear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:

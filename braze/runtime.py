@@ -33,15 +33,7 @@ from .codegen import Access, ModuleBuilder, Segment
 from .codegen.calls import Call, CallEmitter, Step, plan
 from .dims import Dim, Expr, value
 from .ir import KERNELS, Graph, Node, Op, TensorMeta
-from .jit import (
-    compile_module,
-    dict_version,
-    matmul_precision,
-    mkl_threads,
-    pyfunction,
-    realigned,
-    shim_constant,
-)
+from .jit import compile_module, dict_version, matmul_precision, mkl_threads, pyfunction, realigned, shim_constant
 from .lowering import Lowered, Sym
 from .lowering.generic import Family, NotGeneric
 
@@ -280,7 +272,7 @@ class Program:
             if not pack.stale(t):
                 continue
             if not pack.fits(t):
-                return "a packed weight changed layout"
+                return "a packed weight changed layout, or has no version counter"
             if pack.repacks >= fast.REPACKS:
                 fast.unsteady(t)
                 return "a packed weight keeps changing: it is read in place"

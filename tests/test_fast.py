@@ -253,6 +253,15 @@ def test_weights_without_a_version_counter_are_packed_per_call():
     with torch.inference_mode():
         assert torch.equal(compiled(x), model(x))
         assert _packs(compiled) == [0]
+    # a packed weight replaced by one without a counter: compiled again, reading it per call
+    packed = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
+    compiled = braze.compile(packed, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    with torch.inference_mode():
+        packed[0].weight = nn.Parameter(torch.randn(96, 64), requires_grad=False)
+        assert torch.equal(compiled(x), packed(x))
+    assert "no version counter" in compiled.compilations[-1].why
 
 
 def test_gpt2_style_addmm_and_torchdynamo_graphs_pack_their_weights(packing):

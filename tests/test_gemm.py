@@ -66,6 +66,19 @@ def test_matmul_with_a_matrix_folds_as_aten_does(rows):
     check_model(lambda x: x @ w, (make(),), externs=0 if folds else 1)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@torch.no_grad()
+def test_a_linear_aten_folds_because_its_weight_requires_grad_keeps_eagers_bits(seed):
+    # ATen's matmul folds a non-contiguous batch into one mm where the weight requires grad (a
+    # parameter, even under no_grad), and otherwise takes another path with other sums: braze
+    # must call it on the parameter itself, not on a tensor made over its memory
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(7, 1, bias=False)
+    x = torch.randn(5, 2, 7).transpose(0, 1)
+    check_model(lambda t: layer(t) * 1, (x,))
+    check_model(torch.nn.Sequential(layer, torch.nn.ReLU()), (x,))
+
+
 def test_matmul_aten_does_not_run_as_a_gemm_runs_through_aten():
     m, v = torch.randn(10, 33), torch.randn(33)
     check_model(torch.matmul, (m, v), externs=1)  # mv

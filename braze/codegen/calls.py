@@ -30,6 +30,8 @@ from ..ir import Node, TensorMeta
 from .loops import I32, I64, PTR, VOID, Access
 
 # One row per op: the Python callables TorchDynamo and torch.fx record -> (schema name, overload).
+# Not linear or matmul: the tensors native code passes do not require grad, and ATen's matmul
+# folds its operands otherwise where one does (a parameter, even under no_grad), other bits.
 DISPATCHED: dict[Any, tuple[str, str]] = {
     torch._C._nn.scaled_dot_product_attention: ("aten::scaled_dot_product_attention", ""),
     torch.gather: ("aten::gather", ""),
@@ -38,8 +40,6 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch._C._nn.adaptive_avg_pool2d: ("aten::adaptive_avg_pool2d", ""),
     torch._C._nn.avg_pool2d: ("aten::avg_pool2d", ""),  # F.avg_pool2d
     torch.nn.functional.group_norm: ("aten::group_norm", ""),  # its checks: ATen's raise too (then eager's)
-    torch._C._nn.linear: ("aten::linear", ""),  # F.linear
-    torch.matmul: ("aten::matmul", ""),
     torch.nn.functional.silu: ("aten::silu", ""),  # (inplace=True: another op, not dispatched)
     torch.roll: ("aten::roll", ""),
     torch.Tensor.roll: ("aten::roll", ""),

@@ -284,13 +284,6 @@ def _linear(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         w, b = lw.weights(fn)
     if not isinstance(x, Sym) or not isinstance(w, Sym) or not x.is_tensor:
         raise NotNative("linear on non-tensors")
-    try:
-        return _linear_of(lw, x, w, b, out)
-    except NotNative as e:  # ATen's linear, as the functional call makes it: native code calls it
-        return lw.extern(F.linear, (x, w, b), {}, "linear (ATen's)", str(e), out)
-
-
-def _linear_of(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any) -> Sym:
     packed = _packed(lw, x, w, b, transposed=False)
     if packed is not None:
         return packed
