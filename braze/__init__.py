@@ -11,6 +11,8 @@ import gc
 import time
 from typing import Any
 
+import torch  # imported here, so that the freeze below holds its objects whatever came first
+
 from . import config
 
 if config.gc_freeze:  # before braze's own imports: a full collection of torch's objects costs ~100 ms
