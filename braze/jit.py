@@ -167,15 +167,14 @@ def version_offsets() -> tuple[int, int] | None:
     get = getattr(_torch_lib("libtorch_cpu.so"), VERSION_COUNTER)
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
     probes = [torch.zeros(3), torch.nn.Parameter(torch.ones(2, 5)), torch.arange(4.0)[1:]]
-    impl = lambda t: ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value  # noqa: E731
-    member = {get(id(t) + TENSOR_OFFSET) - impl(t) for t in probes}
+    member = {get(id(t) + TENSOR_OFFSET) - _impl(t) for t in probes}
     if len(member) != 1 or not 0 < min(member) < 4096:
         return None
     at = member.pop()
     for count in range(8, 64, 4):  # past the counter's vtable and reference counts
 
         def read(t: torch.Tensor, count: int = count) -> int:
-            return ctypes.c_uint32.from_address(ctypes.c_void_p.from_address(impl(t) + at).value + count).value
+            return ctypes.c_uint32.from_address(ctypes.c_void_p.from_address(_impl(t) + at).value + count).value
 
         seen = []
         with torch.no_grad():
@@ -195,7 +194,7 @@ def tensor_version(t: torch.Tensor) -> tuple[int, int] | None:
     offsets = version_offsets()
     if offsets is None:
         return None
-    counter = ctypes.c_void_p.from_address(ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value + offsets[0]).value
+    counter = ctypes.c_void_p.from_address(_impl(t) + offsets[0]).value
     return None if not counter else (counter, ctypes.c_uint32.from_address(counter + offsets[1]).value)
 
 
@@ -462,10 +461,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor, nan_payloads: bool = True) -> bo
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+def _impl(t: torch.Tensor) -> int:
+    """The address of t's c10::TensorImpl, where native code finds it."""
+    return ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value
+
+
 def dispatch_keys(t: torch.Tensor) -> int:
     """The raw dispatch key set of `t`, read where native code reads it."""
-    impl = ctypes.c_void_p.from_address(id(t) + TENSOR_OFFSET).value
-    return ctypes.c_uint64.from_address(impl + KEYSET_OFFSET).value
+    return ctypes.c_uint64.from_address(_impl(t) + KEYSET_OFFSET).value
 
 
 def tls_dispatch_words() -> tuple[int, int]:

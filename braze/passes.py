@@ -264,16 +264,13 @@ def memoize(graph: Graph) -> Graph:
     of what it changes (T5's `buckets += torch.where(...)`): made once per sizes, then, as well."""
     by_name = graph.node_map()
     owner = {n.name: _owner(n, by_name) for n in graph.nodes}
-    readers: dict[str, list[str]] = {}
-    for n in graph.nodes:
-        for v in n.value_inputs():
-            readers.setdefault(v, []).append(n.name)
+    users = graph.users()
     barred = {owner[o] for o in graph.outputs}
     barred |= {
         owner[v]
         for n in graph.nodes
         for v in n.attrs.get("mutates", ())
-        if not (n.attrs.get("sizes") and owner[v] == v and readers.get(v) == [n.name])
+        if not (n.attrs.get("sizes") and owner[v] == v and [u.name for u in users[v]] == [n.name])
     }
     while True:  # (a change made at every call must not change a kept value: bar it, and again)
         memo = _memoizable(graph, owner, barred)
