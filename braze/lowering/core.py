@@ -131,9 +131,10 @@ class Lowerer:
             self.params[self.param_syms[id(t)].name] = t
         return self.param_syms[id(t)]
 
-    def weights(self, layer: torch.nn.Module) -> tuple[Sym, Sym | None]:
-        """A layer's weight and bias (None where it has none), as parameters of the program."""
-        return self.param(layer.weight, "weight"), None if layer.bias is None else self.param(layer.bias, "bias")
+    def weights(self, layer: torch.nn.Module) -> tuple[Any, Any]:
+        """A layer's weight and bias (each None where it has none), as parameters of the program."""
+        w, b = layer.weight, layer.bias
+        return None if w is None else self.param(w, "weight"), None if b is None else self.param(b, "bias")
 
     def owner(self, name: str) -> str:
         return self.base.get(name, name)

@@ -35,8 +35,7 @@ def _layer_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     no_out(kwargs)
     x, shape, w, b, eps = _layer_norm_parts(fn, args, kwargs)
     if isinstance(fn, torch.nn.LayerNorm):
-        w = None if w is None else lw.param(w, "weight")
-        b = None if b is None else lw.param(b, "bias")
+        w, b = lw.weights(fn)
     if not (isinstance(w, Sym) and isinstance(b, Sym)):
         raise NotNative("layer_norm without both weight and bias (ATen's scalar path)")
     n = math.prod(shape)
@@ -126,7 +125,6 @@ def _group_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     of its own), which native code calls (codegen/calls.py)."""
     if not plain_layer(fn, torch.nn.GroupNorm) or kwargs or len(args) != 1:
         raise NotNative("a GroupNorm layer whose call is more than ATen's group_norm")
-    w = None if fn.weight is None else lw.param(fn.weight, "weight")
-    b = None if fn.bias is None else lw.param(fn.bias, "bias")
+    w, b = lw.weights(fn)
     given = (args[0], fn.num_groups, w, b, fn.eps)
     return lw.extern(F.group_norm, given, {}, "group_norm (ATen's)", "ATen's group_norm", out)
