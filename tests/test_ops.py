@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import braze
 from braze import jit, vml
 
-from .helpers import check_model
+from .helpers import assert_same, check_model
 
 SIZES = [(1,), (7,), (33,), (257,), (7, 33), (0, 7), (3, 0, 5)]
 
@@ -283,6 +283,49 @@ def test_conversions_to_a_tensors_own_dtype_are_the_tensor_itself():
     check_model(lambda t, d: t.to(d.dtype) * 2, (x, y), externs=2)  # a copy to float64, and float64 math: ATen
     check_model(lambda t: t.to(torch.float32, copy=True) * 2, (x,), externs=1)
     check_model(lambda t: t.double() * 2, (x,), externs=2)
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (1,), (0, 5), (257,)])
+def test_float_to_bool_and_logical_not_are_native_comparisons(shape):
+    """DeBERTa's `~(mask.bool())`: x != 0 (NaN is true) and its negation, fused into one loop."""
+    x = special(*shape)
+    x.view(-1)[: x.numel() // 3] = 0.0  # zeros among the values, which become false
+    b = x > 0.3
+    for f in (
+        lambda t: t.bool(),
+        lambda t: torch.where(t.to(torch.bool), t, 1.5),
+        lambda t: ~(t.bool()),
+        torch.logical_not,
+        lambda t: t.masked_fill(~(t.abs() > 1).bool(), -2.0),
+    ):
+        check_model(f, (x,), kernels=1, externs=0)
+    for f in (operator.invert, torch.logical_not, lambda t: t.logical_not(), lambda t: torch.bitwise_not(t[::2])):
+        check_model(f, (b,), kernels=1, externs=0)
+    if x.dim() == 2:
+        check_model(lambda t: t.t().bool(), (x,), kernels=1, externs=0)  # eager's layout, transposed
+    check_model(lambda t: ~(t.long()), (x,), externs=2)  # integers: ATen
+    with pytest.raises(TypeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", braze.BrazeWarning)
+        braze.compile(operator.invert)(x)  # bitwise not of a float: eager's error
+
+
+def test_transposed_attributes_are_views():
+    """Falcon's `x @ weight.T`: TorchDynamo records `weight.T` as getattr(weight, "T")."""
+    x, w, b = special(7, 33), torch.randn(5, 33), torch.randn(3, 4, 5)
+    check_model(lambda t: t.T + 1, (x,), kernels=1, externs=0)
+    check_model(lambda t: t.mT * 2, (b,), kernels=1, externs=0)
+    check_model(lambda t: t.mH - t.transpose(-1, -2), (b,), kernels=1, externs=0)
+    check_model(lambda t, u: t @ u.T, (x, w), externs=0)
+
+    class Keywords(torch.nn.Module):  # (**kwargs: captured through TorchDynamo)
+        def forward(self, t: torch.Tensor, u: torch.Tensor, **kwargs: object) -> torch.Tensor:
+            return (t @ u.T).relu()
+
+    torch._dynamo.reset()
+    compiled = braze.compile(Keywords())
+    for _ in range(2):
+        assert_same(compiled(x, u=w), (x @ w.T).relu())
+    assert compiled._subgraphs and all(p.native and not p.externs for p in compiled.programs())
 
 
 def test_rsqrt_falls_back_to_aten_when_its_probe_disagrees(monkeypatch):

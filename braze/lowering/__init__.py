@@ -43,6 +43,7 @@ from .elementwise import (
     _hardswish,
     _hardtanh_any,
     _leaky_relu_any,
+    _logical_not,
     _masked_fill,
     _post_op,
     _pow,
@@ -62,7 +63,18 @@ from .index import _embedding
 from .pool import _adaptive_avg_pool2d, _avg_pool2d, _max_pool2d
 from .rows import _group_norm, _layer_norm, _softmax, _sum
 from .transformer import _encoder_layer
-from .views import _cat, _conversion, _dropout, _getitem, _identity, _stack, _stochastic_depth, _view_op, _views
+from .views import (
+    _attribute,
+    _cat,
+    _conversion,
+    _dropout,
+    _getitem,
+    _identity,
+    _stack,
+    _stochastic_depth,
+    _view_op,
+    _views,
+)
 
 __all__ = [
     "LOWERINGS",
@@ -143,8 +155,13 @@ def _rows() -> None:
     register(F.threshold, F.threshold_, torch.threshold, nn.Threshold)(_threshold)
     register(F.prelu, torch.prelu, nn.PReLU)(_prelu)
     register(torch.where, "where")(_where)
+    register(operator.invert, torch.bitwise_not, "bitwise_not", "__invert__", torch.logical_not, "logical_not")(
+        _logical_not
+    )
     register(nn.Identity)(_identity)
-    register("to", "type", "type_as", "float", "double", "cpu")(_conversion)
+    register("to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "cpu")(
+        _conversion
+    )
     register(F.dropout, nn.Dropout)(_dropout)
     register("torchvision.ops.stochastic_depth.stochastic_depth")(_stochastic_depth)
     register(
@@ -181,6 +198,7 @@ def _rows() -> None:
         _views
     )
     register(operator.getitem, "__getitem__")(_getitem)
+    register(getattr)(_attribute)
     register(F.layer_norm, torch.layer_norm, nn.LayerNorm)(_layer_norm)
     register(torch.softmax, F.softmax, "softmax", nn.Softmax)(_softmax(log=False))
     register(torch.log_softmax, F.log_softmax, "log_softmax", nn.LogSoftmax)(_softmax(log=True))

@@ -3,6 +3,7 @@ operations (the codegen's _scalar_op gives each op ATen's NaN and signed-zero be
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -182,6 +183,22 @@ def _where(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     if len(args) != 3:
         raise NotNative("where with one argument")
     return lw.elementwise(Op.WHERE, args, out)
+
+
+def _logical_not(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """logical_not(x), and ~x of a bool tensor: x == 0 (NaN counts as true). Loops compare
+    float32 values, so a bool x is read as where(x, 1.0, 0.0) first (one fused loop)."""
+    no_out(kwargs)
+    x = args[0]
+    boolean = isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.bool
+    if fn in _BITWISE_NOT and not boolean:
+        raise NotNative("bitwise not of a tensor that is not bool")
+    if boolean:
+        x = lw.elementwise(Op.WHERE, (x, 1.0, 0.0), to_meta(out, torch.float32))
+    return lw.elementwise(Op.EQ, (x, 0.0), out)
+
+
+_BITWISE_NOT = (operator.invert, torch.bitwise_not, torch.Tensor.bitwise_not, torch.Tensor.__invert__)
 
 
 def _leaky_relu_any(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:

@@ -43,15 +43,29 @@ def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
 def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """x.to(...), .float(), .type_as(y), ...: x itself where ATen returns x unchanged (the dtype,
     device and layout asked for are x's own: Llama's and T5's `.to(float32)` on float32), which
-    depends on layouts only; a conversion that copies runs through ATen."""
+    depends on layouts only. float32 to bool is x != 0 (NaN is true), as ATen's copy converts
+    (DeBERTa's mask); another conversion that copies runs through ATen."""
     src = args[0]
     if not (isinstance(src, Sym) and src.is_tensor):
         raise NotNative("a conversion of a non-tensor")
     example = lw.example(src)
     rest = lw.examples((args[1:], kwargs))
-    if fn(example, *rest[0], **rest[1]) is not example:
-        raise NotNative("a conversion that copies")
-    return src
+    if fn(example, *rest[0], **rest[1]) is example:
+        return src
+    if is_float32(src) and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+        return lw.elementwise(Op.NE, (src, 0.0), out)
+    raise NotNative("a conversion that copies")
+
+
+def _attribute(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """getattr(x, "T") and its kin (TorchDynamo records Falcon's `weight.T` as a getattr call):
+    the transposed view, for a tensor that is not complex (whose H and mH also conjugate)."""
+    src, name = args[0], args[1] if len(args) == 2 else None
+    if not (isinstance(src, Sym) and src.is_tensor and name in ("T", "mT", "H", "mH")):
+        raise NotNative("an attribute that is not a transposed view")
+    if src.meta.dtype.is_complex:
+        raise NotNative("the conjugate transpose of a complex tensor")
+    return lw.view(src, lambda t: getattr(t, name))
 
 
 def _dropout(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
