@@ -309,6 +309,50 @@ def test_float_to_bool_and_logical_not_are_native_comparisons(shape):
         braze.compile(operator.invert)(x)  # bitwise not of a float: eager's error
 
 
+def roberta_positions(input_ids: torch.Tensor, padding_idx: int = 1, past: int = 0) -> torch.Tensor:
+    """Hugging Face's create_position_ids_from_input_ids (RoBERTa, XLM-R, MPNet)."""
+    mask = input_ids.ne(padding_idx).int()
+    incremental = (torch.cumsum(mask, dim=1).type_as(mask) + past) * mask
+    return incremental.long() + padding_idx
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_arithmetic_comparisons_and_conversions_are_native_loops(dtype, n, threads):
+    """Two's complement add, sub and mul (wrapping as ATen's do), comparisons, and conversions
+    among bool, int32, int64 and to float32, fused into loops."""
+    threads(n)
+    info = torch.iinfo(dtype)
+    for shape in [(1,), (7, 33), (32769,), (0, 5)]:
+        t = torch.randint(info.min, info.max, shape, dtype=dtype)
+        t.view(-1)[:3] = torch.tensor([info.min, info.max, 0], dtype=dtype)[: t.numel()]
+        for f in (
+            lambda a: a * a + 3,
+            lambda a: (a - 7) * a[:1],
+            lambda a: a > 5,
+            lambda a: a == a[:1],
+            lambda a: a.float(),
+            lambda a: a.bool(),
+            lambda a: (a.t() if a.dim() == 2 else a).long() * 1,
+            lambda a: a.int() * 2,
+        ):
+            check_model(f, (t,), kernels=None if t.numel() == 0 else 1, externs=0)
+    i = torch.randint(-5, 5, (7, 33), dtype=dtype)
+    check_model(lambda a: a * 0.5, (i,), externs=1)  # promoted to float32: ATen
+    if dtype == torch.int32:
+        check_model(lambda a: a + 2**31, (i,), externs=1)  # a scalar the dtype cannot hold
+    check_model(lambda a: a / 2, (i,), externs=1)
+    check_model(lambda a, c: a + c, (i, i.to(torch.int64 if dtype == torch.int32 else torch.int32)), externs=1)
+    check_model(lambda a: a.float().int(), (i,), externs=1)  # float32 to an integer: ATen
+    b = i > 0
+    check_model(lambda a: a.float() * 2 + a.long(), (b,), externs=1)
+    check_model(lambda a: a.long() * 3 - 1, (b,), kernels=1, externs=0)
+    ids = torch.randint(0, 5, (3, 17), dtype=dtype)
+    ids[0, -4:] = 1
+    compiled = check_model(roberta_positions, (ids,), kernels=2, externs=1)  # ATen's cumsum between
+    assert compiled.programs()[0].native
+
+
 def test_transposed_attributes_are_views():
     """Falcon's `x @ weight.T`: TorchDynamo records `weight.T` as getattr(weight, "T")."""
     x, w, b = special(7, 33), torch.randn(5, 33), torch.randn(3, 4, 5)

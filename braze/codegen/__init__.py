@@ -323,7 +323,7 @@ class ModuleBuilder:
         if not vector:
             self.scalar_work.append(shape_meta.numel)
             self.scalar_loops.append(kern.name)
-        emitter = _BodyEmitter(body, accesses, loops, operands, out.meta.dtype == torch.bool)
+        emitter = _BodyEmitter(body, accesses, loops, operands, out.meta.dtype)
         _nest(kb, sizes, lo, hi, emitter.emit, WIDTH if vector else 1)
         kb.ret_void()
         return kern, loops

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llvmlite.ir as ll
+import torch
 
 from .. import dims, jit
 from ..dims import Dim
@@ -29,10 +30,11 @@ class Access:
     meta: TensorMeta
 
 
-def _dtype_of(operands: dict[str, Access], name: str) -> bool:
-    """True when the value is float32 (the only other dtype loops read is bool)."""
-    a = operands.get(name)
-    return a is None or a.meta.dtype.is_floating_point
+# The dtypes loops read and write (float32 arithmetic; integers add, subtract, multiply and
+# compare; bool is a comparison's result), as each is laid out in memory.
+STORED = {torch.float32: F32, torch.bool: I8, torch.int32: I32, torch.int64: I64}
+INTEGERS = (torch.int32, torch.int64)
+_ALIGN = {F32: 4, I8: 1, I32: 4, I64: 8}
 
 
 def _bstrides(meta: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -173,10 +175,16 @@ class _BodyEmitter:
     """Emits one iteration (one element, or WIDTH of them) of a fused elementwise body."""
 
     def __init__(
-        self, body: tuple[Node, ...], accesses: dict, dims: list[_Dim], operands: dict[str, Access], bool_out: bool
+        self,
+        body: tuple[Node, ...],
+        accesses: dict,
+        dims: list[_Dim],
+        operands: dict[str, Access],
+        out_dtype: torch.dtype,
     ) -> None:
         self.body, self.accesses, self.dims, self.operands = body, accesses, dims, operands
-        self.bool_out = bool_out  # the loop stores a comparison's i1 values as bytes
+        self.out_dtype = out_dtype  # a comparison's i1 values are stored as bytes
+        self.dtypes = {n.name: n.meta.dtype for n in body} | {k: a.meta.dtype for k, a in operands.items()}
 
     def pointer(self, b: ll.IRBuilder, name: str, idx: list[ll.Value]) -> ll.Value:
         base, strides, off = self.accesses[name]
@@ -193,9 +201,7 @@ class _BodyEmitter:
         return self.accesses[name][1][self.dims[-1].axis] if self.dims else 0
 
     def _etype(self, name: str) -> ll.Type:
-        if name == "__out__":
-            return I8 if self.bool_out else F32
-        return F32 if _dtype_of(self.operands, name) else I8
+        return STORED[self.out_dtype if name == "__out__" else self.dtypes.get(name, torch.float32)]
 
     def emit(self, b: ll.IRBuilder, idx: list[ll.Value], width: int, offsets: tuple[int, ...] = (0,)) -> None:
         """The body at `idx`, then at each further element offset along the innermost loop
@@ -212,44 +218,54 @@ class _BodyEmitter:
             step = I64(offset * inner) if isinstance(inner, int) else b.mul(I64(offset), inner)
             return b.gep(bases[name], [step], source_etype=self._etype(name))
 
-        def const(v: float) -> ll.Constant:
-            return ll.Constant(ty(F32), [v] * width) if width > 1 else F32(v)
+        def const(v: float, ety: ll.Type = F32) -> ll.Constant:
+            return ll.Constant(ty(ety), [v] * width) if width > 1 else ety(v)
 
         def load(name: str, offset: int) -> ll.Value:
             ety = self._etype(name)
             ptr = at(name, offset)
             if width == 1 or self._inner_stride(name) == 1:
-                return b.load(ptr, typ=ty(ety), align=4 if ety is F32 else 1)
+                return b.load(ptr, typ=ty(ety), align=_ALIGN[ety])
             return splat(b, b.load(ptr, typ=ety), width)  # broadcast along the vector
 
         for offset in offsets:
             vals: dict[str, ll.Value] = {}
 
-            def get(x: object, vals: dict = vals, offset: int = offset) -> ll.Value:
+            def get(x: object, ety: ll.Type = F32, vals: dict = vals, offset: int = offset) -> ll.Value:
                 if isinstance(x, str):
                     if x not in vals:
                         vals[x] = load(x, offset)
                     return vals[x]
-                return const(x)
+                return const(x, ety)
 
             for n in self.body:
-                vals[n.name] = _scalar_op(b, n, get, const)
+                vals[n.name] = _scalar_op(b, n, get, const, self.dtypes)
             result = vals[self.body[-1].name]
-            if self.bool_out:
-                b.store(b.zext(result, ty(I8)), at("__out__", offset), align=1)
-            else:
-                b.store(result, at("__out__", offset), align=4)
+            if result.type == ty(I1):  # a comparison's: bool bytes
+                result = b.zext(result, ty(I8))
+            b.store(result, at("__out__", offset), align=_ALIGN[self._etype("__out__")])
 
 
 def _scalar_op(
-    b: ll.IRBuilder, n: Node, get: Callable[[object], ll.Value], const: Callable[[float], ll.Value]
+    b: ll.IRBuilder,
+    n: Node,
+    get: Callable[..., ll.Value],
+    const: Callable[..., ll.Value],
+    dtypes: dict[str, torch.dtype] | None = None,
 ) -> ll.Value:
     """One element (or vector of elements) of an elementwise node, with ATen's exact semantics
-    for NaN and signed zero."""
+    for NaN and signed zero; `dtypes`: the loop's values' dtypes, where any is not float32."""
+    dtypes = dtypes or {}
+    whole = next((dtypes[i] for i in n.inputs if dtypes.get(i) in INTEGERS), None)
+    if n.op is Op.COPY:
+        return _convert(b, get(n.inputs[0]), dtypes.get(n.inputs[0], torch.float32), n.meta.dtype)
+    if whole is not None:  # integers: two's complement arithmetic and comparisons, as ATen's
+        x = [get(i, STORED[whole]) for i in n.inputs]
+        if n.op in COMPARE:
+            return b.icmp_signed(_COMPARE.get(n.op, "!="), x[0], x[1])
+        return {Op.ADD: b.add, Op.SUB: b.sub, Op.MUL: b.mul}[n.op](x[0], x[1])
     x = [get(i) for i in n.inputs]
     op = n.op
-    if op is Op.COPY:
-        return x[0]
     if op in _ARITH:
         return _ARITH[op](b, x[0], x[1])
     if op is Op.FMA:
@@ -294,6 +310,24 @@ def _scalar_op(
             cond = b.icmp_unsigned("!=", cond, zero)
         return b.select(cond, x[1], x[2])
     raise NotImplementedError(op)
+
+
+def _convert(b: ll.IRBuilder, x: ll.Value, src: torch.dtype, dst: torch.dtype) -> ll.Value:
+    """x of dtype src as dst, as ATen's copy converts (bool, int32, int64 to any of them or to
+    float32; float32 only to itself: lowering makes float32 to bool a comparison)."""
+    if src == dst:
+        return x
+    element = x.type.element if isinstance(x.type, ll.VectorType) else x.type
+    shaped = (lambda t: ll.VectorType(t, x.type.count)) if isinstance(x.type, ll.VectorType) else (lambda t: t)
+    if src == torch.bool and element != I1:  # bytes loaded from memory
+        zero = ll.Constant(x.type, [0] * x.type.count) if isinstance(x.type, ll.VectorType) else ll.Constant(x.type, 0)
+        x = b.icmp_unsigned("!=", x, zero)
+    if dst == torch.float32:
+        return b.uitofp(x, shaped(F32)) if src == torch.bool else b.sitofp(x, shaped(F32))
+    to = shaped(STORED[dst])
+    if src == torch.bool:
+        return b.zext(x, to)
+    return b.sext(x, to) if src.itemsize < dst.itemsize else b.trunc(x, to)
 
 
 def declared(module: ll.Module, name: str, ret: ll.Type, args: list[ll.Type]) -> ll.Function:

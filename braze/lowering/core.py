@@ -191,20 +191,27 @@ class Lowerer:
         return map_tree(one, tree)
 
     def elementwise(self, op: Op, operands: tuple[Any, ...], out: Any, **attrs: Any) -> Sym:
-        want = torch.bool if op in COMPARE else torch.float32
+        """An elementwise node in float32; or, for add, sub, mul and comparisons whose tensors
+        are all int32 or all int64 (RoBERTa's position ids), in that dtype."""
+        whole = _integer_dtype(op, operands)
+        want = torch.bool if op in COMPARE else whole or torch.float32
         if not isinstance(out, torch.Tensor) or out.dtype != want:
             raise NotNative(f"result dtype {getattr(out, 'dtype', type(out))} is not {want}")
         ir_ops: list[Operand] = []
         for i, a in enumerate(operands):
-            ir_ops.append(self._operand(a, allow_bool=(op is Op.WHERE and i == 0)))
+            ir_ops.append(self._operand(a, allow_bool=(op is Op.WHERE and i == 0), whole=whole))
         return self.emit(op, tuple(ir_ops), out, **attrs)
 
-    def _operand(self, a: Any, allow_bool: bool) -> Operand:
+    def _operand(self, a: Any, allow_bool: bool, whole: torch.dtype | None = None) -> Operand:
         if isinstance(a, Sym):
-            want = torch.bool if allow_bool else torch.float32
+            want = torch.bool if allow_bool else whole or torch.float32
             if not a.is_tensor or a.meta.dtype != want:
                 raise NotNative(f"operand dtype {getattr(a.meta, 'dtype', '?')} is not {want}")
             return a.name
+        if whole is not None:  # ATen computes in the tensors' integer dtype: a Python int it holds
+            if type(a) is int and torch.iinfo(whole).min <= a <= torch.iinfo(whole).max:
+                return a
+            raise NotNative(f"a scalar that is not a {whole} value beside {whole} tensors")
         if isinstance(a, (bool, int, float)) and not allow_bool:
             # ATen casts a Python scalar to the op's float32 compute type before using it.
             return float(torch.tensor(float(a), dtype=torch.float32).item())
@@ -510,6 +517,17 @@ DETERMINISTIC = (
     | {getattr(torch.Tensor, f) for f in _METHODS.split()}
 )
 _VIEWS = frozenset({operator.getitem, *(getattr(torch.Tensor, f) for f in "expand unsqueeze view reshape".split())})
+
+
+_INTEGER_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL}) | COMPARE
+
+
+def _integer_dtype(op: Op, operands: tuple[Any, ...]) -> torch.dtype | None:
+    """The integer dtype `op` computes in natively: its tensors' own, all int32 or all int64."""
+    dtypes = {a.meta.dtype for a in operands if isinstance(a, Sym) and a.is_tensor}
+    if op in _INTEGER_OPS and len(dtypes) == 1 and dtypes <= {torch.int32, torch.int64}:
+        return dtypes.pop()
+    return None
 
 
 def _among(fn: object, calls: frozenset) -> bool:

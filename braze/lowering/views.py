@@ -43,8 +43,9 @@ def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
 def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """x.to(...), .float(), .type_as(y), ...: x itself where ATen returns x unchanged (the dtype,
     device and layout asked for are x's own: Llama's and T5's `.to(float32)` on float32), which
-    depends on layouts only. float32 to bool is x != 0 (NaN is true), as ATen's copy converts
-    (DeBERTa's mask); another conversion that copies runs through ATen."""
+    depends on layouts only. A conversion that copies between float32, int32, int64 and bool
+    is a loop (RoBERTa's position ids, DeBERTa's mask), but float32 to an integer; others run
+    through ATen."""
     src = args[0]
     if not (isinstance(src, Sym) and src.is_tensor):
         raise NotNative("a conversion of a non-tensor")
@@ -52,9 +53,18 @@ def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> An
     rest = lw.examples((args[1:], kwargs))
     if fn(example, *rest[0], **rest[1]) is example:
         return src
-    if is_float32(src) and isinstance(out, torch.Tensor) and out.dtype == torch.bool:
-        return lw.elementwise(Op.NE, (src, 0.0), out)
-    raise NotNative("a conversion that copies")
+    if not isinstance(out, torch.Tensor) or src.meta.dtype not in _CONVERTED or out.dtype not in _CONVERTED:
+        raise NotNative("a conversion that copies to or from a dtype other than float32, int32, int64 or bool")
+    if out.dtype == torch.bool:
+        return lw.elementwise(Op.NE, (src, 0.0 if is_float32(src) else 0), out)
+    if src.meta.dtype == torch.float32:
+        raise NotNative("a conversion of float32 to an integer (undefined in ATen for values out of range)")
+    return lw.emit(Op.COPY, (src.name,), out)
+
+
+# What loops convert: to bool, x != 0 (NaN is true); bool, int32 and int64 to one another and to
+# float32, as ATen's copy converts (codegen.loops._convert).
+_CONVERTED = (torch.float32, torch.int32, torch.int64, torch.bool)
 
 
 def _attribute(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
