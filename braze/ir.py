@@ -23,7 +23,9 @@ class Op(enum.Enum):
     INPUT = "input"  # a user argument, read from the call
     PARAM = "param"  # a parameter or buffer of the model, read at each call (never copied)
     VIEW = "view"  # alias of inputs[0]: new shape/stride/offset over the same memory
-    COPY = "copy"  # identity into a fresh buffer (contiguous, reshape of a non-view, ...)
+    # inputs[0] into a fresh buffer (contiguous, reshape of a non-view, ...), converted to the
+    # node's dtype; a constant inputs[0] fills it (padding)
+    COPY = "copy"
     ADD = "add"
     SUB = "sub"
     MUL = "mul"
@@ -311,7 +313,7 @@ def verify(graph: Graph) -> Graph:
             _check(src is not None and _within(n.meta.span, src.span), f"{n.name}: view reaches past its base")
         if n.op is Op.CAT:
             _verify_cat(n, metas)
-        if n.op is Op.COPY:
+        if n.op is Op.COPY and isinstance(n.inputs[0], str):
             src = metas[n.inputs[0]]
             _check(src is not None and n.meta.shape == src.shape, f"{n.name}: copy changes shape")
         if "alias_of" in n.attrs:

@@ -75,7 +75,7 @@ def _with_extern(emb: torch.nn.Module) -> torch.nn.Module:
             self.emb = emb
 
         def forward(self, i: torch.Tensor) -> torch.Tensor:
-            return torch.cumsum(self.emb(i), -1)  # an ATen call: the program has a Python body
+            return torch.sinh(self.emb(i))  # an ATen call native code does not make: a Python body
 
     return WithExtern()
 

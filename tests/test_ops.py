@@ -226,6 +226,10 @@ FROM_NATIVE = [
     ("roll", lambda x: torch.roll(x, 2, 0)),
     ("roll (method)", lambda x: x.roll((1, -3), (0, 1))),
     ("repeat", lambda x: x.repeat((2, 1, 3))),
+    ("repeat (sizes)", lambda x: x.repeat(2, 1, 3)),
+    ("repeat_interleave", lambda x: torch.repeat_interleave(x, 2, 1)),
+    ("repeat_interleave (method)", lambda x: x.repeat_interleave(3)),
+    ("adaptive_avg_pool1d", lambda x: F.adaptive_avg_pool1d(x.unsqueeze(0), 5)),
     ("cumsum", lambda x: torch.cumsum(x, 0)),
     ("cumsum (method)", lambda x: x.cumsum(-1)),
     ("mean over a leading dimension", lambda x: x.mean(0)),
@@ -243,6 +247,52 @@ def test_aten_calls_from_native_code_match_eager(name, fn, shape):
     calls = [why for _, why in prog.externs if "made once per sizes" not in why]  # (not torch.ones)
     assert prog.native and all(why.endswith("called from native code") for why in calls)
     assert calls or shape == (1, 1)  # (braze's own mean of one element)
+
+
+def test_indexing_with_integer_tensors_is_called_from_native_code():
+    """x[i], x[:, i], x[i, j] (Swin's relative position bias, GPT-J's sin/cos table): aten::index
+    with the indices Python's indexing passes; an index out of range raises eager's error."""
+    x, i, j = special(7, 33), torch.randint(0, 7, (5,)), torch.randint(0, 33, (4, 3))
+    for f, args in [
+        (lambda a, k: a[k] * 2, (x, i)),
+        (lambda a, k: a[:, k] + 1, (x, j)),
+        (lambda a, k, m: a[k[:3], m[0]] - 1, (x, i, j)),
+        (lambda a, k: a.t()[k] * 2, (x, j % 7)),
+        (lambda a, k: a[k.int()] * 2, (x, i)),  # int32 indices, converted by a loop
+    ]:
+        (prog,) = check_model(f, args).programs()
+        assert prog.native and all(why.endswith("called from native code") for _, why in prog.externs)
+    for f, args in [  # a mask (data-dependent sizes), a None (a new dimension): Python's body
+        (lambda a: a[a[:, 0] > 0] * 2, (x,)),
+        (lambda a, k: a[None, k] * 2, (x, i)),
+    ]:
+        (prog,) = check_model(f, args).programs()
+        assert not prog.native
+    compiled = braze.compile(lambda a, k: a[k] * 2)
+    compiled(x, i)
+    with pytest.raises(IndexError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", braze.BrazeWarning)
+        compiled(x, torch.tensor([0, 9]))
+    assert_same(compiled(x, i), x[i] * 2)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_constant_padding_is_native(layout):
+    """F.pad with a constant (Swin, EfficientViT): filled blocks and the input copied between
+    them, laid out as ATen lays out its result; other modes and crops stay ATen's."""
+    x = special(2, 5, 7, 3)
+    x = {"channels_last": x.to(memory_format=torch.channels_last), "transposed": x.transpose(1, 2)}.get(layout, x)
+    for f in (
+        lambda a: F.pad(a, (1, 2)) * 2,
+        lambda a: F.pad(a, (0, 0, 0, 3, 0, 1)),
+        lambda a: F.pad(a, (0, 0)),  # a copy
+        lambda a: F.pad(a, (2, 1, 1, 0), value=-1.5),
+        lambda a: F.pad(a, (1, 1, 1, 1, 1, 1, 1, 1)),
+        lambda a: torch.constant_pad_nd(a, (1, 2), 3.0),
+    ):
+        check_model(f, (x,), externs=0)
+    check_model(lambda a: F.pad(a, (-1, 1)), (x,), externs=1)
+    check_model(lambda a: F.pad(a, (1, 1), mode="reflect"), (x[0],), externs=1)
 
 
 def test_extern_between_native_kernels():

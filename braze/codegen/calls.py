@@ -19,6 +19,7 @@ that reads it.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,44 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.Tensor.cumsum: ("aten::cumsum", ""),
     torch.mean: ("aten::mean", "dim"),  # (mean of all elements, the overload without dims: not dispatched)
     torch.Tensor.mean: ("aten::mean", "dim"),
+    torch.repeat_interleave: ("aten::repeat_interleave", "self_int"),  # (repeats a tensor: not dispatched)
+    torch.Tensor.repeat_interleave: ("aten::repeat_interleave", "self_int"),
+    torch.adaptive_avg_pool1d: ("aten::adaptive_avg_pool1d", ""),
+    operator.getitem: ("aten::index", "Tensor"),  # see _index_arguments
 }
+
+
+def _index_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict] | str:
+    """x[i], x[:, i], ... with integer index tensors of one or more dimensions: Python's indexing
+    calls aten::index(x, indices), an index None for each full slice before the last tensor
+    (torch/csrc/autograd/python_variable_indexing.cpp: applySlicing, then dispatch_index)."""
+    src, idx = args
+    indices: list = []
+    for i in idx if type(idx) is tuple else (idx,):
+        if isinstance(i, slice) and i.start is None and i.stop is None and i.step is None:
+            indices.append(None)
+        elif _tensor(i) and i.meta.dtype in (torch.int64, torch.int32) and i.meta.dim() >= 1:
+            indices.append(i)  # (a 0-dim one selects, a view; a bool one's result has data-dependent sizes)
+        else:
+            return "indexing with other than full slices and integer tensors of one or more dimensions"
+    while indices and indices[-1] is None:
+        indices.pop()
+    return ((src, indices), {}) if _tensor(src) and indices else "indexing without an index tensor"
+
+
+def _repeat_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict] | str:
+    """x.repeat(2, 3) is x.repeat((2, 3)): the op's one list of repeats."""
+    src, *rest = args
+    return ((src, rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)), kwargs)
+
+
+# A Python call whose arguments are not the op's schema's, one for one: how they become it.
+ADAPTED = {operator.getitem: _index_arguments, torch.Tensor.repeat: _repeat_arguments}
+
+
+def _tensor(value: Any) -> bool:
+    return isinstance(getattr(value, "meta", None), torch.Tensor)
+
 
 NULL = ll.Constant(PTR, None)
 
@@ -58,7 +96,7 @@ class Arg:
     """One word of a call's stack: a tensor (`value` names it), None, or a number (an int may be
     a generic program's size); `boxed`: an optional's value, passed through a heap word."""
 
-    kind: str  # "tensor", "none", "int", "float", "bool", "ints" (a tuple)
+    kind: str  # "tensor", "none", "int", "float", "bool", "ints" (a tuple), "tensors" (names or None)
     value: Any = None
     boxed: bool = False
 
@@ -70,7 +108,9 @@ class Call:
     args: tuple[Arg, ...]
 
     def tensors(self) -> list[str]:
-        return [a.value for a in self.args if a.kind == "tensor"]
+        return [a.value for a in self.args if a.kind == "tensor"] + [
+            t for a in self.args if a.kind == "tensors" for t in a.value if t is not None
+        ]
 
 
 def plan(n: Node) -> Call | str:
@@ -84,10 +124,14 @@ def plan(n: Node) -> Call | str:
         return "its result is not one tensor of its own"
     op, overload = DISPATCHED[fn]
     schema = getattr(getattr(torch.ops.aten, op.removeprefix("aten::")), overload or "default")._schema
-    given = dict(zip((a.name for a in schema.arguments), n.attrs["args"]))
-    if len(n.attrs["args"]) > len(schema.arguments) or given.keys() & n.attrs["kwargs"].keys():
+    adapted = ADAPTED[fn](n.attrs["args"], n.attrs["kwargs"]) if fn in ADAPTED else (n.attrs["args"], n.attrs["kwargs"])
+    if isinstance(adapted, str):
+        return adapted
+    positional, keywords = adapted
+    given = dict(zip((a.name for a in schema.arguments), positional))
+    if len(positional) > len(schema.arguments) or given.keys() & keywords.keys():
         return "its arguments do not fit the op's schema"
-    given.update(n.attrs["kwargs"])
+    given.update(keywords)
     args = []
     for a in schema.arguments:
         value = given.pop(a.name) if a.name in given else a.default_value if a.has_default_value() else ...
@@ -109,9 +153,11 @@ def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
         if all(isinstance(v, (int, Expr)) and not isinstance(v, bool) for v in values):
             return Arg("ints", values, optional)
         return None
+    if inner == "List[Optional[Tensor]]" and isinstance(value, list) and all(v is None or _tensor(v) for v in value):
+        return Arg("tensors", tuple(None if v is None else v.name for v in value))
     if value is None:
         return Arg("none") if optional else None
-    if inner == "Tensor" and isinstance(getattr(value, "meta", None), torch.Tensor):
+    if inner == "Tensor" and _tensor(value):
         return Arg("tensor", value.name, optional)
     if inner in ("int", "SymInt") and isinstance(value, (int, Expr)) and not isinstance(value, bool):
         return Arg("int", value, optional)
@@ -215,6 +261,8 @@ class CallEmitter:
             return self.mb.dim(b, table, a.value)
         if a.kind == "ints":
             return self._list(b, table, a.value, fail)
+        if a.kind == "tensors":
+            return self._optional_tensors(b, table, a.value, fail)
         return self._tensor(b, table, self.mb.slot_of(a.value), fail)
 
     def _list(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...], fail: ll.Block) -> ll.Value:
@@ -225,6 +273,23 @@ class CallEmitter:
         handle = b.load(out, typ=PTR)
         for v in values:
             self._require(b, b.icmp_signed("==", b.call(self.push, [handle, self.mb.dim(b, table, v)]), I32(0)), fail)
+        return b.ptrtoint(handle, I64)
+
+    def _optional_tensors(self, b: ll.IRBuilder, table: ll.Value, names: tuple, fail: ll.Block) -> ll.Value:
+        """A new list of optional tensors (the dispatcher consumes it): None as 0, a tensor as a
+        heap word holding its new handle."""
+        with b.goto_entry_block():
+            out, box = b.alloca(PTR), b.alloca(PTR)
+        self._require(b, b.icmp_signed("==", b.call(self.new_list, [I64(len(names)), out]), I32(0)), fail)
+        handle = b.load(out, typ=PTR)
+        for name in names:
+            word = I64(0)
+            if name is not None:
+                tensor = self._tensor(b, table, self.mb.slot_of(name), fail)
+                self._require(b, b.icmp_signed("==", b.call(self.boxed, [box]), I32(0)), fail)
+                b.store(tensor, b.load(box, typ=PTR))
+                word = b.ptrtoint(b.load(box, typ=PTR), I64)
+            self._require(b, b.icmp_signed("==", b.call(self.push, [handle, word]), I32(0)), fail)
         return b.ptrtoint(handle, I64)
 
     def _shape(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...]) -> ll.Value:

@@ -70,6 +70,7 @@ from .views import (
     _dropout,
     _getitem,
     _identity,
+    _pad,
     _stack,
     _stochastic_depth,
     _view_op,
@@ -143,6 +144,7 @@ def _rows() -> None:
     register(torch.masked_fill, "masked_fill", "masked_fill_")(_masked_fill)
     register(torch.cat, torch.concat, torch.concatenate)(_cat)
     register(torch.stack)(_stack)
+    register(torch._C._nn.pad, F.pad, torch.constant_pad_nd)(_pad)
     register(torch.clamp_min, "clamp_min", "clamp_min_")(_clamp_one(lo=True))
     register(torch.clamp_max, "clamp_max", "clamp_max_")(_clamp_one(lo=False))
     register(torch.relu, torch.relu_, F.relu, F.relu_, "relu", "relu_", nn.ReLU)(_post_op("relu", "", _unary(Op.RELU)))

@@ -36,6 +36,39 @@ def _stack(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return _cat(lw, fn, ([lw.view(t, lambda e: e.unsqueeze(d)) for t in tensors], d), kwargs, out)
 
 
+def _pad(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+    """F.pad with mode "constant" (Swin's windows, EfficientViT): ATen's constant_pad_nd fills a
+    new tensor with the value and copies the input into its middle, the result laid out as the
+    input (channels-last stays so). Here: per padded dimension, from the last, a cat of filled
+    blocks around the input (no arithmetic: eager's bits); no padding at all is a copy."""
+    names = ("input", "pad", "value") if fn is torch.constant_pad_nd else ("input", "pad", "mode", "value")
+    given = dict(zip(names, args)) | kwargs
+    x, pad, value = given["input"], given["pad"], given.get("value")
+    if given.get("mode", "constant") != "constant" or not (is_float32(x) and isinstance(out, torch.Tensor)):
+        raise NotNative("padding of a tensor that is not float32, or not with a constant")
+    if not (all(type(p) is int and p >= 0 for p in pad) and len(pad) % 2 == 0 and len(pad) <= 2 * x.meta.dim()):
+        raise NotNative("padding that crops, or whose sizes are not constants")
+    fill = 0.0 if value is None else value
+    steps = [(x.meta.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]) for k in range(len(pad) // 2)]
+    steps = [(d, lo, hi) for d, lo, hi in steps if lo or hi]
+    if not steps:
+        return lw.elementwise(Op.COPY, (x,), out)
+    y = x
+    for i, (d, lo, hi) in enumerate(steps):
+        shape = list(y.meta.shape)
+        shape[d] += lo + hi
+        meta = out if i == len(steps) - 1 else torch.empty(shape, device="meta")
+        parts = []
+        for width in (lo, None, hi):
+            if width is None:
+                parts.append(y)
+            elif width:
+                block = torch.empty([*shape[:d], width, *shape[d + 1 :]], device="meta")
+                parts.append(lw.elementwise(Op.COPY, (fill,), block))
+        y = _cat(lw, torch.cat, (parts, d), {}, meta)
+    return y
+
+
 def _identity(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     return args[0]
 
