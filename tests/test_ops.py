@@ -369,8 +369,9 @@ def roberta_positions(input_ids: torch.Tensor, padding_idx: int = 1, past: int =
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_integer_arithmetic_comparisons_and_conversions_are_native_loops(dtype, n, threads):
-    """Two's complement add, sub and mul (wrapping as ATen's do), comparisons, and conversions
-    among bool, int32, int64 and to float32, fused into loops."""
+    """Two's complement add, sub and mul (wrapping as ATen's do), comparisons, conversions among
+    bool, int32, int64 and to float32, and float32 arithmetic on integers and bools (cast first,
+    as ATen casts to the common dtype), fused into loops."""
     threads(n)
     info = torch.iinfo(dtype)
     for shape in [(1,), (7, 33), (32769,), (0, 5)]:
@@ -388,14 +389,15 @@ def test_integer_arithmetic_comparisons_and_conversions_are_native_loops(dtype, 
         ):
             check_model(f, (t,), kernels=None if t.numel() == 0 else 1, externs=0)
     i = torch.randint(-5, 5, (7, 33), dtype=dtype)
-    check_model(lambda a: a * 0.5, (i,), externs=1)  # promoted to float32: ATen
+    for f in (lambda a: a * 0.5, lambda a: 1.0 - a, lambda a: a / 3, lambda a: a / (a * 2 + 11)):
+        check_model(f, (i,), kernels=1, externs=0)  # float32 arithmetic on the values cast to float32
+    check_model(lambda a, x: x * a[:1] + (x > 0) * x, (i, special(7, 33)), externs=0)
     if dtype == torch.int32:
         check_model(lambda a: a + 2**31, (i,), externs=1)  # a scalar the dtype cannot hold
-    check_model(lambda a: a / 2, (i,), externs=1)
     check_model(lambda a, c: a + c, (i, i.to(torch.int64 if dtype == torch.int32 else torch.int32)), externs=1)
     check_model(lambda a: a.float().int(), (i,), externs=1)  # float32 to an integer: ATen
     b = i > 0
-    check_model(lambda a: a.float() * 2 + a.long(), (b,), externs=1)
+    check_model(lambda a: a.float() * 2 + a.long(), (b,), kernels=1, externs=0)
     check_model(lambda a: a.long() * 3 - 1, (b,), kernels=1, externs=0)
     ids = torch.randint(0, 5, (3, 17), dtype=dtype)
     ids[0, -4:] = 1

@@ -203,6 +203,10 @@ class Lowerer:
         return self.emit(op, tuple(ir_ops), out, **attrs)
 
     def _operand(self, a: Any, allow_bool: bool, whole: torch.dtype | None = None) -> Operand:
+        if isinstance(a, Sym) and a.is_tensor and not (allow_bool or whole) and a.meta.dtype in _CAST:
+            # A bool or integer tensor in float32 arithmetic (Bloom's alibi, `x * mask`): ATen casts
+            # it to the op's float32 common dtype, element by element, before the arithmetic.
+            a = self.emit(Op.COPY, (a.name,), torch.empty(a.meta.shape, device="meta"))
         if isinstance(a, Sym):
             want = torch.bool if allow_bool else whole or torch.float32
             if not a.is_tensor or a.meta.dtype != want:
@@ -520,12 +524,15 @@ _VIEWS = frozenset({operator.getitem, *(getattr(torch.Tensor, f) for f in "expan
 
 
 _INTEGER_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL}) | COMPARE
+_CAST = (torch.bool, torch.int32, torch.int64)
 
 
 def _integer_dtype(op: Op, operands: tuple[Any, ...]) -> torch.dtype | None:
-    """The integer dtype `op` computes in natively: its tensors' own, all int32 or all int64."""
+    """The integer dtype `op` computes in natively: its tensors' own, all int32 or all int64, beside
+    Python ints (a Python float makes it float32 arithmetic)."""
     dtypes = {a.meta.dtype for a in operands if isinstance(a, Sym) and a.is_tensor}
-    if op in _INTEGER_OPS and len(dtypes) == 1 and dtypes <= {torch.int32, torch.int64}:
+    ints = all(type(a) is int for a in operands if not isinstance(a, Sym))
+    if op in _INTEGER_OPS and ints and len(dtypes) == 1 and dtypes <= {torch.int32, torch.int64}:
         return dtypes.pop()
     return None
 
