@@ -276,6 +276,31 @@ def test_indexing_with_integer_tensors_is_called_from_native_code():
     assert_same(compiled(x, i), x[i] * 2)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_interpolation_is_called_from_native_code(layout):
+    """F.interpolate, nearest or bilinear, by a size or scale factors (SegFormer's and MobileViT's
+    heads): the upsample call its Python code makes; other modes stay in a Python body."""
+    x = special(2, 3, 7, 5)
+    x = x.to(memory_format=torch.channels_last) if layout == "channels_last" else x
+    for f in (
+        lambda t: F.interpolate(t, scale_factor=2) * 2,
+        lambda t: F.interpolate(t, size=(4, 3)) + 1,
+        lambda t: F.interpolate(t, scale_factor=0.5, mode="nearest") + 1,
+        lambda t: F.interpolate(t, size=(9, 11), mode="bilinear") * 2,
+        lambda t: F.interpolate(t, size=13, mode="bilinear", align_corners=True) + 1,
+        lambda t: F.interpolate(t, scale_factor=(1.5, 2.5), mode="bilinear") + 1,
+    ):
+        (prog,) = check_model(f, (x,)).programs()
+        assert prog.native and prog.externs[0][1].endswith("called from native code")
+    for f in (
+        lambda t: F.interpolate(t, scale_factor=2, mode="bicubic") + 1,
+        lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", recompute_scale_factor=True) + 1,
+        lambda t: F.interpolate(t[0], scale_factor=2) + 1,
+    ):
+        (prog,) = check_model(f, (x,)).programs()
+        assert not prog.native
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
 def test_constant_padding_is_native(layout):
     """F.pad with a constant (Swin, EfficientViT): filled blocks and the input copied between

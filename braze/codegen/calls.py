@@ -53,10 +53,14 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.Tensor.repeat_interleave: ("aten::repeat_interleave", "self_int"),
     torch.adaptive_avg_pool1d: ("aten::adaptive_avg_pool1d", ""),
     operator.getitem: ("aten::index", "Tensor"),  # see _index_arguments
+    torch.nn.functional.interpolate: ("aten::upsample_bilinear2d", "vec"),  # or nearest: _interpolate_arguments
 }
 
+Row = tuple[str, str]
+Adapted = tuple[Row, tuple, dict]
 
-def _index_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict] | str:
+
+def _index_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str:
     """x[i], x[:, i], ... with integer index tensors of one or more dimensions: Python's indexing
     calls aten::index(x, indices), an index None for each full slice before the last tensor
     (torch/csrc/autograd/python_variable_indexing.cpp: applySlicing, then dispatch_index)."""
@@ -71,17 +75,49 @@ def _index_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict] | str:
             return "indexing with other than full slices and integer tensors of one or more dimensions"
     while indices and indices[-1] is None:
         indices.pop()
-    return ((src, indices), {}) if _tensor(src) and indices else "indexing without an index tensor"
+    return (row, (src, indices), {}) if _tensor(src) and indices else "indexing without an index tensor"
 
 
-def _repeat_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict] | str:
+def _repeat_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str:
     """x.repeat(2, 3) is x.repeat((2, 3)): the op's one list of repeats."""
     src, *rest = args
-    return ((src, rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)), kwargs)
+    return (row, (src, rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)), kwargs)
 
 
-# A Python call whose arguments are not the op's schema's, one for one: how they become it.
-ADAPTED = {operator.getitem: _index_arguments, torch.Tensor.repeat: _repeat_arguments}
+_INTERPOLATE = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+
+
+def _interpolate_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str:
+    """F.interpolate of an image, "nearest" or "bilinear", by a size or by scale factors: the call
+    its Python code makes, upsample_nearest2d(input, output_size, scale_factors) or
+    upsample_bilinear2d(input, output_size, align_corners, scale_factors), one of the two None."""
+    g = dict(zip(_INTERPOLATE, args)) | kwargs
+    x, size, scale, mode = g["input"], g.get("size"), g.get("scale_factor"), g.get("mode", "nearest")
+    if not (_tensor(x) and x.meta.dim() == 4 and mode in ("nearest", "bilinear") and (size is None) != (scale is None)):
+        return "interpolation other than nearest or bilinear of an image by a size or a scale"
+    if (
+        g.get("recompute_scale_factor")
+        or g.get("antialias")
+        or (mode == "nearest" and g.get("align_corners") is not None)
+    ):
+        return "interpolation that recomputes its scale, antialiases, or that eager refuses"
+    size, scale = (v if v is None or isinstance(v, (tuple, list)) else (v, v) for v in (size, scale))
+    if any(v is not None and len(v) != 2 for v in (size, scale)):
+        return "interpolation whose sizes or scales are not one per spatial dimension"
+    size = None if size is None else list(size)
+    scale = None if scale is None else [float(v) for v in scale]
+    if mode == "nearest":
+        return ("aten::upsample_nearest2d", "vec"), (x, size, scale), {}
+    return row, (x, size, bool(g.get("align_corners") or False), scale), {}
+
+
+# A Python call whose arguments are not the op's schema's, one for one: how they become it (and,
+# for interpolate, which op it is).
+ADAPTED = {
+    operator.getitem: _index_arguments,
+    torch.Tensor.repeat: _repeat_arguments,
+    torch.nn.functional.interpolate: _interpolate_arguments,
+}
 
 
 def _tensor(value: Any) -> bool:
@@ -96,7 +132,7 @@ class Arg:
     """One word of a call's stack: a tensor (`value` names it), None, or a number (an int may be
     a generic program's size); `boxed`: an optional's value, passed through a heap word."""
 
-    kind: str  # "tensor", "none", "int", "float", "bool", "ints" (a tuple), "tensors" (names or None)
+    kind: str  # "tensor", "none", "int", "float", "bool", "ints", "floats" (tuples), "tensors" (names or None)
     value: Any = None
     boxed: bool = False
 
@@ -122,12 +158,15 @@ def plan(n: Node) -> Call | str:
         return "a memoized, mutating or aliasing call"
     if not isinstance(n.meta, TensorMeta) or n.attrs.get("store") != "extern":
         return "its result is not one tensor of its own"
-    op, overload = DISPATCHED[fn]
-    schema = getattr(getattr(torch.ops.aten, op.removeprefix("aten::")), overload or "default")._schema
-    adapted = ADAPTED[fn](n.attrs["args"], n.attrs["kwargs"]) if fn in ADAPTED else (n.attrs["args"], n.attrs["kwargs"])
+    adapted = (
+        ADAPTED[fn](DISPATCHED[fn], n.attrs["args"], n.attrs["kwargs"])
+        if fn in ADAPTED
+        else (DISPATCHED[fn], n.attrs["args"], n.attrs["kwargs"])
+    )
     if isinstance(adapted, str):
         return adapted
-    positional, keywords = adapted
+    (op, overload), positional, keywords = adapted
+    schema = getattr(getattr(torch.ops.aten, op.removeprefix("aten::")), overload or "default")._schema
     given = dict(zip((a.name for a in schema.arguments), positional))
     if len(positional) > len(schema.arguments) or given.keys() & keywords.keys():
         return "its arguments do not fit the op's schema"
@@ -153,6 +192,8 @@ def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
         if all(isinstance(v, (int, Expr)) and not isinstance(v, bool) for v in values):
             return Arg("ints", values, optional)
         return None
+    if inner == "List[float]" and isinstance(value, list) and all(type(v) is float for v in value):
+        return Arg("floats", tuple(value), optional)
     if inner == "List[Optional[Tensor]]" and isinstance(value, list) and all(v is None or _tensor(v) for v in value):
         return Arg("tensors", tuple(None if v is None else v.name for v in value))
     if value is None:
@@ -260,19 +301,21 @@ class CallEmitter:
         if a.kind == "int":
             return self.mb.dim(b, table, a.value)
         if a.kind == "ints":
-            return self._list(b, table, a.value, fail)
+            return self._list(b, [self.mb.dim(b, table, v) for v in a.value], fail)
+        if a.kind == "floats":
+            return self._list(b, [b.bitcast(ll.Constant(ll.DoubleType(), v), I64) for v in a.value], fail)
         if a.kind == "tensors":
             return self._optional_tensors(b, table, a.value, fail)
         return self._tensor(b, table, self.mb.slot_of(a.value), fail)
 
-    def _list(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...], fail: ll.Block) -> ll.Value:
-        """A new list of ints (the dispatcher consumes it)."""
+    def _list(self, b: ll.IRBuilder, words: list[ll.Value], fail: ll.Block) -> ll.Value:
+        """A new list of ints or doubles, given as stack words (the dispatcher consumes it)."""
         with b.goto_entry_block():
             out = b.alloca(PTR)
-        self._require(b, b.icmp_signed("==", b.call(self.new_list, [I64(len(values)), out]), I32(0)), fail)
+        self._require(b, b.icmp_signed("==", b.call(self.new_list, [I64(len(words)), out]), I32(0)), fail)
         handle = b.load(out, typ=PTR)
-        for v in values:
-            self._require(b, b.icmp_signed("==", b.call(self.push, [handle, self.mb.dim(b, table, v)]), I32(0)), fail)
+        for word in words:
+            self._require(b, b.icmp_signed("==", b.call(self.push, [handle, word]), I32(0)), fail)
         return b.ptrtoint(handle, I64)
 
     def _optional_tensors(self, b: ll.IRBuilder, table: ll.Value, names: tuple, fail: ll.Block) -> ll.Value:
