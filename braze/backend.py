@@ -255,6 +255,17 @@ def _guarded_code(own: Callable[..., Any]) -> Callable[[tuple, dict], Callable[.
     from torch._dynamo import eval_frame
 
     free = dict(zip(own.__code__.co_freevars, (c.cell_contents for c in own.__closure__)))
+    # Per compiled code object (by id, kept alive beside it): its function, or None where it
+    # continues in resume functions. Made once: scanning its names took ~3 us a call.
+    functions: dict[int, tuple[types.CodeType, Callable[..., Any] | None]] = {}
+
+    def function(code: types.CodeType) -> Callable[..., Any] | None:
+        known = functions.get(id(code))
+        if known is None or known[0] is not code:
+            resumes = any(name.startswith("__resume_at") for name in code.co_names)
+            fn = None if resumes else types.FunctionType(code, own.__globals__, own.__name__, None, own.__closure__)
+            known = functions[id(code)] = (code, fn)
+        return known[1]
 
     def code_for(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
         if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
@@ -266,9 +277,7 @@ def _guarded_code(own: Callable[..., Any]) -> Callable[[tuple, dict], Callable[.
             except Exception:  # a guard that cannot be evaluated (an attribute gone): TorchDynamo decides
                 return None
             if passed:
-                if any(name.startswith("__resume_at") for name in entry.code.co_names):
-                    return None
-                return types.FunctionType(entry.code, own.__globals__, own.__name__, None, own.__closure__)
+                return function(entry.code)
         return None
 
     return code_for

@@ -39,6 +39,9 @@ ACTS = {
     "sin_log": lambda t: torch.sin(t) + torch.log(t.abs() + 1),  # MKL's VML
     "rms_norm": lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6),  # Llama's, op by op
     "layer_norm": None,  # the layer's own nn.LayerNorm (braze's row kernel)
+    "bool_mask": lambda t: t * (t > 0.2) + ~(t.bool()),  # bools in float32 arithmetic: cast first
+    "integers": lambda t: t + (t > 0).long() * 3 - (t < -1).int(),  # integer loops, then cast
+    "pad": lambda t: F.pad(t, (1, 0), value=0.5)[..., :-1],  # filled blocks and a copy
 }
 VOCAB = 50
 
