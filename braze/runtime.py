@@ -201,7 +201,8 @@ class Program:
         self.flag_modules = guard.modules  # whose `training` flags the entry checks
         # Each ATen call, as native code would make it (codegen/calls.py), or why it would not;
         # but the memoized ones, made from Python once per sizes (see _memo_function)
-        self.calls = {n.name: plan(n) for n in graph.nodes if n.op is Op.EXTERN and not n.attrs.get("memo")}
+        given = frozenset(v for v, o in self.layout.owner.items() if self.nodes[o].op in (Op.INPUT, Op.PARAM))
+        self.calls = {n.name: plan(n, given) for n in graph.nodes if n.op is Op.EXTERN and not n.attrs.get("memo")}
         self.timings = list(timings)
         self.scratch_views: list[str] = []
         self.segments = _segments(graph)

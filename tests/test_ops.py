@@ -276,6 +276,24 @@ def test_indexing_with_integer_tensors_is_called_from_native_code():
     assert_same(compiled(x, i), x[i] * 2)
 
 
+def test_matmul_of_computed_values_is_called_from_native_code():
+    """A matmul braze does not lower (MobileViT's tiny 4-D products) is called from native code
+    where both operands are values the program computed: they do not require grad in eager
+    either. Of an input or a parameter (ATen folds where one requires grad) it stays in Python."""
+    a, b = special(4, 4, 1, 60), special(4, 4, 60, 1)
+    w = torch.nn.Parameter(torch.randn(4, 60, 3))
+    for f, native in [
+        (lambda x, y: (x * 2) @ (y * 3) + 1, True),
+        (lambda x, y: torch.matmul(x * 2, y + 1) * 2, True),
+        (lambda x, y: x @ y + 1, False),
+        (lambda x, y: (x * 2).matmul(y) + 1, False),
+        (lambda x, y: (x * 2) @ w + 1, False),
+    ]:
+        with torch.no_grad():
+            (prog,) = check_model(f, (a, b)).programs()
+        assert prog.native == native
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_interpolation_is_called_from_native_code(layout):
     """F.interpolate, nearest or bilinear, by a size or scale factors (SegFormer's and MobileViT's

@@ -31,8 +31,6 @@ from ..ir import Node, TensorMeta
 from .loops import I32, I64, PTR, VOID, Access
 
 # One row per op: the Python callables TorchDynamo and torch.fx record -> (schema name, overload).
-# Not linear or matmul: the tensors native code passes do not require grad, and ATen's matmul
-# folds its operands otherwise where one does (a parameter, even under no_grad), other bits.
 DISPATCHED: dict[Any, tuple[str, str]] = {
     torch._C._nn.scaled_dot_product_attention: ("aten::scaled_dot_product_attention", ""),
     torch.gather: ("aten::gather", ""),
@@ -54,7 +52,17 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.adaptive_avg_pool1d: ("aten::adaptive_avg_pool1d", ""),
     operator.getitem: ("aten::index", "Tensor"),  # see _index_arguments
     torch.nn.functional.interpolate: ("aten::upsample_bilinear2d", "vec"),  # or nearest: _interpolate_arguments
+    torch.matmul: ("aten::matmul", ""),  # of computed values only: see GRAD_SENSITIVE
+    operator.matmul: ("aten::matmul", ""),
+    torch.Tensor.matmul: ("aten::matmul", ""),
 }
+
+# Ops whose path in ATen depends on whether an operand requires grad: matmul folds a batch into
+# one mm where one does (a parameter, even under no_grad), and sums in another order otherwise.
+# The tensors native code passes never do, so these are called from native code only where no
+# operand is the program's input or parameter (or a view of one); values it computes under
+# no_grad, or from tensors none of which requires grad, do not require grad in eager either.
+GRAD_SENSITIVE = frozenset({torch.matmul, operator.matmul, torch.Tensor.matmul})
 
 Row = tuple[str, str]
 Adapted = tuple[Row, tuple, dict]
@@ -149,11 +157,14 @@ class Call:
         ]
 
 
-def plan(n: Node) -> Call | str:
-    """How EXTERN node n is called from native code, or why it is not."""
+def plan(n: Node, given: frozenset[str] = frozenset()) -> Call | str:
+    """How EXTERN node n is called from native code, or why it is not. `given`: the values that
+    are the program's inputs or parameters, or views of them."""
     fn = n.attrs["fn"]
     if fn not in DISPATCHED:
         return "its op is not called from native code"
+    if fn in GRAD_SENSITIVE and given & set(n.value_inputs()):
+        return "a matmul of an input or parameter (ATen's path depends on whether it requires grad)"
     if any(n.attrs.get(a) for a in ("memo", "mutates", "alias_of")):
         return "a memoized, mutating or aliasing call"
     if not isinstance(n.meta, TensorMeta) or n.attrs.get("store") != "extern":
