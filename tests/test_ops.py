@@ -336,6 +336,7 @@ def test_constant_padding_is_native(layout):
         check_model(f, (x,), externs=0)
     check_model(lambda a: F.pad(a, (-1, 1)), (x,), externs=1)
     check_model(lambda a: F.pad(a, (1, 1), mode="reflect"), (x[0],), externs=1)
+    check_model(lambda a: F.pad(a, (1, 1), value=a[0, 0, 0, 0].item()), (x,), fallback=True)  # a traced value
 
 
 def test_extern_between_native_kernels():
@@ -374,7 +375,9 @@ def test_conversions_to_a_tensors_own_dtype_are_the_tensor_itself():
     ):
         check_model(f, (x,), kernels=1, externs=0)
     check_model(lambda t, d: t.to(d.dtype) * 2, (x, y), externs=2)  # a copy to float64, and float64 math: ATen
-    check_model(lambda t: t.to(torch.float32, copy=True) * 2, (x,), externs=1)
+    check_model(lambda t: t.to(torch.float32, copy=True) * 2, (x,), externs=0)  # a copy loop
+    check_model(lambda t: t.to(torch.float32, copy=True), (x,), kernels=1, externs=0)
+    check_model(lambda t: t.to(memory_format=torch.channels_last), (special(2, 3, 4, 5),), kernels=1, externs=0)
     check_model(lambda t: t.double() * 2, (x,), externs=2)
 
 

@@ -206,7 +206,7 @@ class Lowerer:
         if isinstance(a, Sym) and a.is_tensor and not (allow_bool or whole) and a.meta.dtype in _CAST:
             # A bool or integer tensor in float32 arithmetic (Bloom's alibi, `x * mask`): ATen casts
             # it to the op's float32 common dtype, element by element, before the arithmetic.
-            a = self.emit(Op.COPY, (a.name,), torch.empty(a.meta.shape, device="meta"))
+            a = self.emit(Op.COPY, (a.name,), torch.empty(a.meta.shape, dtype=torch.float32, device="meta"))
         if isinstance(a, Sym):
             want = torch.bool if allow_bool else whole or torch.float32
             if not a.is_tensor or a.meta.dtype != want:

@@ -49,6 +49,8 @@ def _pad(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     if not (all(type(p) is int and p >= 0 for p in pad) and len(pad) % 2 == 0 and len(pad) <= 2 * x.meta.dim()):
         raise NotNative("padding that crops, or whose sizes are not constants")
     fill = 0.0 if value is None else value
+    if type(fill) not in (int, float):
+        raise NotNative("padding with a value that is not a number")
     steps = [(x.meta.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]) for k in range(len(pad) // 2)]
     steps = [(d, lo, hi) for d, lo, hi in steps if lo or hi]
     if not steps:
@@ -57,13 +59,13 @@ def _pad(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     for i, (d, lo, hi) in enumerate(steps):
         shape = list(y.meta.shape)
         shape[d] += lo + hi
-        meta = out if i == len(steps) - 1 else torch.empty(shape, device="meta")
+        meta = out if i == len(steps) - 1 else torch.empty(shape, dtype=torch.float32, device="meta")
         parts = []
         for width in (lo, None, hi):
             if width is None:
                 parts.append(y)
             elif width:
-                block = torch.empty([*shape[:d], width, *shape[d + 1 :]], device="meta")
+                block = torch.empty([*shape[:d], width, *shape[d + 1 :]], dtype=torch.float32, device="meta")
                 parts.append(lw.elementwise(Op.COPY, (fill,), block))
         y = _cat(lw, torch.cat, (parts, d), {}, meta)
     return y
@@ -77,8 +79,8 @@ def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> An
     """x.to(...), .float(), .type_as(y), ...: x itself where ATen returns x unchanged (the dtype,
     device and layout asked for are x's own: Llama's and T5's `.to(float32)` on float32), which
     depends on layouts only. A conversion that copies between float32, int32, int64 and bool
-    is a loop (RoBERTa's position ids, DeBERTa's mask), but float32 to an integer; others run
-    through ATen."""
+    (or within one of them: copy=True, another memory format) is a loop (RoBERTa's position
+    ids, DeBERTa's mask), but float32 to an integer; others run through ATen."""
     src = args[0]
     if not (isinstance(src, Sym) and src.is_tensor):
         raise NotNative("a conversion of a non-tensor")
@@ -88,11 +90,11 @@ def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> An
         return src
     if not isinstance(out, torch.Tensor) or src.meta.dtype not in _CONVERTED or out.dtype not in _CONVERTED:
         raise NotNative("a conversion that copies to or from a dtype other than float32, int32, int64 or bool")
-    if out.dtype == torch.bool:
+    if out.dtype == torch.bool and src.meta.dtype != torch.bool:
         return lw.elementwise(Op.NE, (src, 0.0 if is_float32(src) else 0), out)
-    if src.meta.dtype == torch.float32:
+    if src.meta.dtype == torch.float32 and out.dtype != torch.float32:
         raise NotNative("a conversion of float32 to an integer (undefined in ATen for values out of range)")
-    return lw.emit(Op.COPY, (src.name,), out)
+    return lw.emit(Op.COPY, (src.name,), out)  # (or a copy asked for: copy=True, another layout)
 
 
 # What loops convert: to bool, x != 0 (NaN is true); bool, int32 and int64 to one another and to
