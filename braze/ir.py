@@ -88,6 +88,11 @@ UNARY = frozenset({Op.NEG, Op.ABS, Op.RSQRT, Op.GELU_ERF, Op.TANH, Op.RELU, Op.L
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE, Op.FMA}
+# The dtypes elementwise values may have (codegen/loops.py lays each out): float32 arithmetic,
+# add, sub, mul and comparisons in an integer dtype, bool as comparisons give it; COPY converts
+# among them.
+INTEGERS = frozenset({torch.int32, torch.int64})
+LOOP_DTYPES = INTEGERS | {torch.float32, torch.bool}
 # Ops whose value is computed by native code into its own buffer.
 KERNELS = (
     frozenset(

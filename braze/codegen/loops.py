@@ -15,7 +15,7 @@ import torch
 
 from .. import dims, jit
 from ..dims import Dim
-from ..ir import COMPARE, Node, Op, TensorMeta
+from ..ir import COMPARE, INTEGERS, Node, Op, TensorMeta
 
 F32, I64, I32, I8, I1 = ll.FloatType(), ll.IntType(64), ll.IntType(32), ll.IntType(8), ll.IntType(1)
 PTR = ll.PointerType()
@@ -30,10 +30,8 @@ class Access:
     meta: TensorMeta
 
 
-# The dtypes loops read and write (float32 arithmetic; integers add, subtract, multiply and
-# compare; bool is a comparison's result), as each is laid out in memory.
+# How each of ir.LOOP_DTYPES is laid out in memory.
 STORED = {torch.float32: F32, torch.bool: I8, torch.int32: I32, torch.int64: I64}
-INTEGERS = (torch.int32, torch.int64)
 _ALIGN = {F32: 4, I8: 1, I32: 4, I64: 8}
 
 

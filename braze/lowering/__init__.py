@@ -9,7 +9,7 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
 
     core.py         the Lowerer, the registry, helpers
     elementwise.py  arithmetic, comparisons, activations, clamps
-    views.py        views, conversions, cat/stack, identity, dropout
+    views.py        views (and x.T), conversions, cat/stack, constant padding, identity, dropout
     gemm.py         linear, addmm, mm, matmul, bmm as BLAS calls
     rows.py         layer_norm, softmax, log_softmax, sum, mean through braze's row kernels;
                     a GroupNorm layer as ATen's group_norm called from native code

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from .. import config
 from ..capture import Captured
-from ..ir import COMPARE, Graph, Node, Op, Operand, TensorMeta
+from ..ir import COMPARE, INTEGERS, Graph, Node, Op, Operand, TensorMeta
 
 
 class Unsupported(Exception):
@@ -524,7 +524,7 @@ _VIEWS = frozenset({operator.getitem, *(getattr(torch.Tensor, f) for f in "expan
 
 
 _INTEGER_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL}) | COMPARE
-_CAST = (torch.bool, torch.int32, torch.int64)
+_CAST = INTEGERS | {torch.bool}  # cast to float32 where float32 arithmetic reads them
 
 
 def _integer_dtype(op: Op, operands: tuple[Any, ...]) -> torch.dtype | None:
@@ -532,7 +532,7 @@ def _integer_dtype(op: Op, operands: tuple[Any, ...]) -> torch.dtype | None:
     Python ints (a Python float makes it float32 arithmetic)."""
     dtypes = {a.meta.dtype for a in operands if isinstance(a, Sym) and a.is_tensor}
     ints = all(type(a) is int for a in operands if not isinstance(a, Sym))
-    if op in _INTEGER_OPS and ints and len(dtypes) == 1 and dtypes <= {torch.int32, torch.int64}:
+    if op in _INTEGER_OPS and ints and len(dtypes) == 1 and dtypes <= INTEGERS:
         return dtypes.pop()
     return None
 

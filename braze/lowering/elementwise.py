@@ -186,15 +186,12 @@ def _where(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
 
 
 def _logical_not(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    """logical_not(x), and ~x of a bool tensor: x == 0 (NaN counts as true). Loops compare
-    float32 values, so a bool x is read as where(x, 1.0, 0.0) first (one fused loop)."""
+    """logical_not(x), and ~x of a bool tensor: x == 0 (NaN counts as true); a bool x is cast to
+    float32 first, as any bool operand of a comparison with a float (one fused loop)."""
     no_out(kwargs)
     x = args[0]
-    boolean = isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.bool
-    if fn in _BITWISE_NOT and not boolean:
+    if fn in _BITWISE_NOT and not (isinstance(x, Sym) and x.is_tensor and x.meta.dtype == torch.bool):
         raise NotNative("bitwise not of a tensor that is not bool")
-    if boolean:
-        x = lw.elementwise(Op.WHERE, (x, 1.0, 0.0), to_meta(out, torch.float32))
     return lw.elementwise(Op.EQ, (x, 0.0), out)
 
 

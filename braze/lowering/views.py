@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..ir import Op
+from ..ir import LOOP_DTYPES, Op
 from .core import Lowerer, NotNative, Sym, is_float32, leaves, no_out
 
 
@@ -88,18 +88,13 @@ def _conversion(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> An
     rest = lw.examples((args[1:], kwargs))
     if fn(example, *rest[0], **rest[1]) is example:
         return src
-    if not isinstance(out, torch.Tensor) or src.meta.dtype not in _CONVERTED or out.dtype not in _CONVERTED:
+    if not isinstance(out, torch.Tensor) or src.meta.dtype not in LOOP_DTYPES or out.dtype not in LOOP_DTYPES:
         raise NotNative("a conversion that copies to or from a dtype other than float32, int32, int64 or bool")
     if out.dtype == torch.bool and src.meta.dtype != torch.bool:
         return lw.elementwise(Op.NE, (src, 0.0 if is_float32(src) else 0), out)
     if src.meta.dtype == torch.float32 and out.dtype != torch.float32:
         raise NotNative("a conversion of float32 to an integer (undefined in ATen for values out of range)")
     return lw.emit(Op.COPY, (src.name,), out)  # (or a copy asked for: copy=True, another layout)
-
-
-# What loops convert: to bool, x != 0 (NaN is true); bool, int32 and int64 to one another and to
-# float32, as ATen's copy converts (codegen.loops._convert).
-_CONVERTED = (torch.float32, torch.int32, torch.int64, torch.bool)
 
 
 def _attribute(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
