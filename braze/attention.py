@@ -147,7 +147,7 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
         limit = b.select(causal, smaller(b, s, b.add(i, height)), s)
 
         def block(args: list[ll.Value]) -> None:
-            args = [*args, ll.Constant(PTR, None), I64(0)]  # no initial values: the sums alone
+            args = [*args, ll.Constant(PTR, None), I64(0), ll.Constant(PTR, None), I64(0)]  # the sums alone, from 0
             for mr in range(1, MR + 1):
                 with b.if_then(b.icmp_signed("==", height, I64(mr))):
                     b.call(kernels[mr], args)

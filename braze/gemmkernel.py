@@ -10,15 +10,22 @@ MKL takes other paths for rows it hands a thread in a chunk of fewer than 4, for
 fewer than 12 columns, and with K = 1 (where it keeps a product's -0), so programs use this
 kernel only from MIN_ROWS rows per MKL thread, MIN_N columns and MIN_K up.
 
-    braze_gemm_rows(x, ldx, w, ldw, c, ldc, init, ldi, N, K, lo, hi)
+    braze_gemm_rows(x, ldx, w, ldw, c, ldc, init, ldi, N, K, lo, hi, chunk)
         rows lo..hi of c[M, N] (row stride ldc) = init + x[M, K] @ w[K, N], both operands with
         unit column stride; init: a bias row (ldi 0), c itself as ATen filled it (ldi = ldc), or
-        null (beta 0: the sums alone)
+        null (beta 0: the sums alone); K in MKL's blocks (chunk 0) or in blocks of `chunk`
     braze_gemm_rows_nk(...)
         the same with linear's weight, w[N, K] (rows ldw apart): c = init + x @ w.T
     braze_gemm_rows_packed(...)
         the same with w packed by `pack` (ldw: packed_depth(K)): fast mode keeps linear's
         weight packed between calls (fast.GemmPack), where exact mode cannot see every change
+    braze_gemm_rows_seeded(x, ldx, w, ldw, c, ldc, seed, 0, N, K, lo, hi, chunk)
+    braze_gemm_rows_nk_seeded(...)
+        c = x @ w (w [K, N]; nk: x @ w.T) with K in blocks of `chunk`, the first block's sums
+        starting from the seed (null: 0), each later block's from 0 added to c: the order of
+        oneDNN's 1 x 1 convolutions (docs/aten-bits.md), whose bias is the seed: a value per
+        row (seed[row]) of an NCHW image's product, a row of columns (seed[col]) of a
+        channels-last one's
 
 Per block of K, 32 columns at a time: a [K, N] weight is read in place (the last, narrower
 panel copied into a zero-padded one), a [N, K] one packed into a panel on the stack, 16 x 16
@@ -59,7 +66,9 @@ from .codegen import (
 NAME = "braze_gemm_rows"  # W [K, N]
 NAME_NK = "braze_gemm_rows_nk"  # W [N, K]: linear's weight
 NAME_PACKED = "braze_gemm_rows_packed"  # W as `pack` lays it out (fast mode's kept weights)
-ARGS = [PTR, I64, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I64]
+NAME_SEEDED = "braze_gemm_rows_seeded"  # W [K, N], sums from a value per row (oneDNN's order)
+NAME_NK_SEEDED = "braze_gemm_rows_nk_seeded"  # W [N, K], sums from a row of columns
+ARGS = [PTR, I64, PTR, I64, PTR, I64, PTR, I64, I64, I64, I64, I64, I64]
 MR, NR = 6, 32  # rows per block kernel (12 accumulators), columns per panel
 KC = 192  # MKL's block of K
 MIN_ROWS = 16  # per MKL thread (MKL gives chunks of fewer than 4 rows to another kernel)
@@ -98,21 +107,36 @@ def carried(
     return final
 
 
-BLOCK_ARGS = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64]
+BLOCK_ARGS = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64]
 BLOCKS = "braze_gemm_block"  # the block kernels the GEMM kernels share: braze_gemm_block_{mr}
 
 
 def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False) -> ll.Function:
-    """(x, lda, panel, ldp, K, out, ldo, ncols, init, ldi): out[r, :ncols] = init[r ldi :
-    +ncols] + sum_k x[r, k] panel[k ldp : +32] for r < mr, the sum one FMA chain from 0 in the
-    order of k (init null: the sum alone). ncols <= 32; the panel's 32 columns are read whole."""
+    """(x, lda, panel, ldp, K, out, ldo, ncols, init, ldi, seed, per_row): out[r, :ncols] =
+    init[r ldi : +ncols] + sum_k x[r, k] panel[k ldp : +32] for r < mr, the sum one FMA chain in
+    the order of k from the seed: seed[r] (per_row), seed[:ncols] (each row), 0 (seed null);
+    init null: the sum alone. ncols <= 32; the panel's 32 columns are read whole."""
     f = ll.Function(module, ll.FunctionType(VOID, BLOCK_ARGS), f"{prefix}_{mr}")
     f.linkage = "external" if exported else "internal"
     f.attributes.add("noinline")  # six inlined copies took the optimiser 4x as long
-    x, lda, panel, ldp, k, out, ldo, ncols, init, ldi = f.args
+    x, lda, panel, ldp, k, out, ldo, ncols, init, ldi, seed, per_row = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     rows = [at(x, b.mul(lda, I64(r))) for r in range(mr)]
+    masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
+    first = [ll.Constant(LANES16, [0.0] * 16)] * (2 * mr)
+    with b.if_then(b.icmp_unsigned("!=", seed, ll.Constant(PTR, None))):
+        columns = [masked_load(b, at(seed, I64(16 * h)), masks[h]) for h in range(2)]
+        own = [splat(b, b.load(at(seed, b.mul(I64(r), per_row)), typ=F32), 16) for r in range(mr)]
+        chosen = [b.select(b.icmp_signed("!=", per_row, I64(0)), own[i // 2], columns[i % 2]) for i in range(2 * mr)]
+        seeded = b.block
+    entry = b.function.basic_blocks[0]
+    starts = []
+    for z, v in zip(first, chosen):
+        phi = b.phi(LANES16)
+        phi.add_incoming(z, entry)
+        phi.add_incoming(v, seeded)
+        starts.append(phi)
 
     def step(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
         base = b.mul(kk, ldp)
@@ -124,8 +148,7 @@ def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False
                 acc[2 * r + h] = fma(b, a, w[h], acc[2 * r + h])
         return acc
 
-    acc = carried(b, I64(0), k, 1, [ll.Constant(LANES16, [0.0] * 16)] * (2 * mr), step)
-    masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
+    acc = carried(b, I64(0), k, 1, starts, step)
     with b.if_else(b.icmp_unsigned("==", init, ll.Constant(PTR, None))) as (alone, added):
         with alone:
             for r in range(mr):
@@ -239,15 +262,27 @@ def _panel_packed(
     return b.gep(w, [b.add(b.mul(j0, ldw), b.mul(k0, I64(NR)))], source_etype=F32), I64(NR)
 
 
-def _rows(module: ll.Module, name: str, panel_of: Callable) -> None:
+def _rows(module: ll.Module, name: str, panel_of: Callable, seeded: bool) -> None:
     kernels = {mr: declared(module, f"{BLOCKS}_{mr}", VOID, BLOCK_ARGS) for mr in range(1, MR + 1)}
+    alloc, free = declared(module, "aligned_alloc", PTR, [I64, I64]), declared(module, "free", VOID, [PTR])
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), name)
-    x, ldx, w, ldw, c, ldc, init, ldi, n, k, lo, hi = f.args
+    x, ldx, w, ldw, c, ldc, init, ldi, n, k, lo, hi, chunk = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    null = ll.Constant(PTR, None)
     with b.goto_entry_block():  # a packed panel (16 rows of room past the block, for 16 x 16 steps)
-        buf = b.alloca(LANES16, size=I64((KC + 16) * NR // 16))
-    kc = b.select(b.icmp_signed("<=", k, I64(KC)), k, smaller(b, I64(KC), b.sdiv(k, I64(2))))
+        stack = b.alloca(LANES16, size=I64((KC + 16) * NR // 16))
+    mkl = b.select(b.icmp_signed("<=", k, I64(KC)), k, smaller(b, I64(KC), b.sdiv(k, I64(2))))
+    kc = b.select(b.icmp_signed(">", chunk, I64(0)), chunk, mkl)
+    long = b.icmp_signed(">", kc, I64(KC))  # a longer block's panel on the heap (aligned as vectors)
+    pre = b.block
+    with b.if_then(long):
+        heap = b.call(alloc, [I64(64), b.mul(b.add(kc, I64(16)), I64(NR * 4))])
+        allocated = b.block
+    buf = b.phi(PTR)
+    buf.add_incoming(stack, pre)
+    buf.add_incoming(heap, allocated)
+    per_row = panel_of is _panel_kn  # [K, N]: an NCHW image's product, whose rows are channels
     with counted_loop(b, I64(0), b.sdiv(b.add(k, b.sub(kc, I64(1))), kc)) as p:
         k0 = b.mul(p, kc)
         depth = smaller(b, b.sub(k, k0), kc)
@@ -257,19 +292,30 @@ def _rows(module: ll.Module, name: str, panel_of: Callable) -> None:
             panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
             with counted_loop(b, lo, hi, MR) as i:
                 out = at(c, b.add(b.mul(i, ldc), j0))
-                start = b.select(
-                    b.icmp_unsigned("==", init, ll.Constant(PTR, None)), init, at(init, b.add(b.mul(i, ldi), j0))
-                )
                 args = [at(x, b.add(b.mul(i, ldx), k0)), ldx, panel, ldp, depth, out, ldc, ncols]
-                args += [b.select(first, start, out), b.select(first, ldi, ldc)]
+                if seeded:  # the first block's sums start at the seed, later blocks' are added
+                    seed = b.select(b.icmp_unsigned("==", init, null), init, at(init, i if per_row else j0))
+                    args += [b.select(first, null, out), ldc, b.select(first, seed, null), I64(int(per_row))]
+                else:
+                    start = b.select(b.icmp_unsigned("==", init, null), init, at(init, b.add(b.mul(i, ldi), j0)))
+                    args += [b.select(first, start, out), b.select(first, ldi, ldc), null, I64(0)]
                 height = smaller(b, b.sub(hi, i), I64(MR))
                 for mr in range(1, MR + 1):
                     with b.if_then(b.icmp_signed("==", height, I64(mr))):
                         b.call(kernels[mr], args)
+    with b.if_then(long):
+        b.call(free, [buf])
     b.ret_void()
 
 
-_BUILDERS = {NAME: _panel_kn, NAME_NK: _panel_nk, NAME_PACKED: _panel_packed}
+# name: (how a panel is made, whether the sums start from a seed)
+_BUILDERS = {
+    NAME: (_panel_kn, False),
+    NAME_NK: (_panel_nk, False),
+    NAME_PACKED: (_panel_packed, False),
+    NAME_SEEDED: (_panel_kn, True),
+    NAME_NK_SEEDED: (_panel_nk, True),
+}
 
 
 def library(kernel: str) -> int:
@@ -279,27 +325,60 @@ def library(kernel: str) -> int:
     jit.kernel(
         blocks[0], lambda module: [block_kernel(module, BLOCKS, mr, exported=True) for mr in range(1, MR + 1)], blocks
     )
-    return jit.kernel(kernel, lambda module: _rows(module, kernel, _BUILDERS[kernel]))
+    return jit.kernel(kernel, lambda module: _rows(module, kernel, *_BUILDERS[kernel]))
 
 
 def gemm(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, linear: bool = False, packed: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    linear: bool = False,
+    packed: bool = False,
+    chunk: int = 0,
+    seeded: bool = False,
 ) -> torch.Tensor:
-    """The native kernel, on one thread (for the probe): x [M, K] @ w [K, N] (+ bias [N]), or
-    with `linear` x @ w.T of w [N, K] (`packed`: read from `pack`'s panels of it); x and w with
-    unit column stride."""
+    """The native kernel, on one thread (for the probes): x [M, K] @ w [K, N] (+ bias [N]), or
+    with `linear` x @ w.T of w [N, K] (`packed`: read from `pack`'s panels of it); K in blocks of
+    `chunk` (0: MKL's); `seeded`: the sums start from the bias, a value per row of [M] for w
+    [K, N], a row [N] for linear's. x and w with unit column stride."""
     (m, k), n = x.shape, w.shape[0 if linear else 1]
     c = torch.empty(m, n)
-    address = library(NAME_PACKED if packed else NAME_NK if linear else NAME)
-    kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64] * 4, *[ctypes.c_int64] * 4)(address)
+    name = NAME_PACKED if packed else NAME_NK if linear else NAME
+    address = library((NAME_NK_SEEDED if linear else NAME_SEEDED) if seeded else name)
+    kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p, ctypes.c_int64] * 4, *[ctypes.c_int64] * 5)(address)
     init = (bias.data_ptr(), 0) if bias is not None else (None, 0)
     ldw = w.stride(0)
     if packed:
         panels = torch.empty(packed_numel(n, k))
         pack(w, panels)
         w, ldw = panels, packed_depth(k)
-    kernel(x.data_ptr(), x.stride(0), w.data_ptr(), ldw, c.data_ptr(), n, *init, n, k, 0, m)
+    kernel(x.data_ptr(), x.stride(0), w.data_ptr(), ldw, c.data_ptr(), n, *init, n, k, 0, m, chunk)
     return c
+
+
+def order_of(
+    eager: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, linear: bool
+) -> tuple[bool, int] | None:
+    """(seeded, chunk): how `eager`, oneDNN's 1 x 1 convolution as the product of x [M, K] and w
+    [K, N] (an NCHW image's: weight by pixels, bias a value per row) or w [N, K] (`linear`:
+    channels-last pixels by the weight, bias a row), is the kernel's result (gemm); None where
+    no order gives its bits. Its brgemm kernels add K in blocks (all of it, MKL's, 256, or
+    others by their heuristics, per shape and thread count), the first from the bias or the
+    bias added: each candidate is tried on the first rows and columns, the one that fits then
+    on the whole product."""
+    k = x.shape[1]
+    rows, cols = min(x.shape[0], MR), min(w.shape[0 if linear else 1], NR)
+    tile = x[:rows], w[:cols] if linear else w[:, :cols]
+    mkl = k if k <= KC else k // 2 if k < 2 * KC else KC
+    kinds = [True] if bias is None or not linear else [False, True]  # (a value per row is only a seed)
+    for chunk in dict.fromkeys([k, mkl, *range(16 * (k // 16), 0, -16)]):
+        for seeded in kinds:
+            part = None if bias is None else bias[:rows] if seeded and not linear else bias[:cols]
+            got = gemm(*tile, part, linear, chunk=chunk, seeded=seeded)
+            if jit.same_bits(got, eager[:rows, :cols], nan_payloads=False):
+                whole = gemm(x, w, bias, linear, chunk=chunk, seeded=seeded)
+                return (seeded, chunk) if jit.same_bits(whole, eager, nan_payloads=False) else None
+    return None
 
 
 def same(shapes: tuple[tuple[int, int, int], ...], linear: bool = False) -> bool:

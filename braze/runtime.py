@@ -512,9 +512,10 @@ class Program:
 
     def _onednn(self) -> bool:
         """Whether the program computes what ATen computes through oneDNN only while
-        torch.backends.mkldnn is enabled (gelu's erf form)."""
+        torch.backends.mkldnn is enabled (gelu's erf form, a 1 x 1 convolution in its order)."""
         body = lambda k: k.attrs.get("body", (k,))  # noqa: E731
-        return any(n.op is Op.GELU_ERF for s in self.segments for k in s.kernels for n in body(k))
+        kernels = [k for s in self.segments for k in s.kernels]
+        return any(k.attrs.get("order") for k in kernels) or any(n.op is Op.GELU_ERF for k in kernels for n in body(k))
 
     def _flops(self) -> int:
         """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element

@@ -390,3 +390,70 @@ def test_a_convolution_reads_its_layers_weights_as_they_are_at_each_call():
         model[4].weight = nn.Parameter(torch.randn_like(model[4].weight))  # replaced
         model[4].bias = None
         check_model(model, (x,), compiled=compiled)
+
+
+# (in, out channels, height, width, batch, channels-last): K in one block, in MKL's, in oneDNN's
+# blocks of 80 and 256, odd sizes; NCHW images one at a time, channels-last pixels in a batch
+POINTWISE = [
+    (40, 160, 56, 56, 1, False),
+    (640, 160, 14, 14, 1, False),
+    (1280, 320, 7, 7, 1, False),
+    (320, 1280, 7, 7, 1, False),
+    (17, 33, 9, 11, 1, False),
+    (7, 16, 15, 17, 1, False),
+    (160, 40, 28, 28, 1, True),
+    (320, 96, 7, 7, 3, True),
+    (33, 17, 15, 16, 2, True),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", POINTWISE, ids=str)
+def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bias, threads):
+    """Exact mode: a 1 x 1 convolution is braze's GEMM kernel in the order ATen's path takes at
+    that shape and thread count (MKL's, or one of oneDNN's a probe found), the GELU after an
+    NCHW one its epilogue (channels-last: a loop of its own, as the product's rows are pixels
+    the epilogue reads permuted), no ATen call, eager's bits (special values; signed zeros)."""
+    cin, cout, h, w, n, last = shape
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=bias), nn.GELU()).eval()
+    x = special(n, cin, h, w).contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = check_model(model, (x,), kernels=2 if last else 1, externs=0)
+        _same_bits(compiled, model, x)
+        torch.set_num_threads(3 - threads)  # another path, another order: compiled again
+        _same_bits(compiled, model, x)
+        with torch.backends.mkldnn.flags(enabled=False):  # ATen's own slow_conv2d (and GELU)
+            _same_bits(compiled, model, x)
+    finally:
+        torch.set_num_threads(before)
+    assert all(label == "1 (GELU)" for p in compiled.programs() for label, _ in p.externs)
+
+
+def test_a_1x1_convolution_braze_has_no_order_for_stays_atens_call(monkeypatch):
+    from braze import gemmkernel
+    from braze.lowering import conv
+
+    model = nn.Sequential(nn.Conv2d(33, 17, 1), nn.ReLU()).eval()
+    x = torch.randn(2, 33, 9, 9).contiguous(memory_format=torch.channels_last)
+    order = lambda: conv.pointwise_order(2, 17, 33, 9, 9, True, False)  # noqa: E731
+    real = gemmkernel.gemm
+    off = lambda *a, **k: real(*a, **k).nextafter(torch.tensor(float("inf")))  # noqa: E731  (an ulp off)
+    assert order() is not None
+    assert probe_with(monkeypatch, gemmkernel, "gemm", off, order, conv._pointwise_order) is None
+    monkeypatch.setattr(conv, "pointwise_order", lambda *a: None)
+    compiled = check_model(model, (x,), externs=1)
+    ((label, why),) = compiled.programs()[-1].externs
+    assert "Conv2d" in label and "probe found none" in why
+
+
+@pytest.mark.parametrize("case", ["stride", "padding", "groups", "a batch of NCHW images", "1 input channel"])
+def test_1x1_convolutions_braze_leaves_to_aten(case):
+    kw = {"stride": {"stride": 2}, "padding": {"padding": 1}, "groups": {"groups": 2}}.get(case, {})
+    cin = 1 if case == "1 input channel" else 4
+    model = nn.Sequential(nn.Conv2d(cin, 8, 1, **kw), nn.ReLU()).eval()
+    x = torch.randn(3 if case == "a batch of NCHW images" else 1, cin, 8, 8)
+    check_model(model, (x,), externs=1)

@@ -535,9 +535,11 @@ class ModuleBuilder:
         m1, m2, bias = k.inputs[:3]
         if gemm_meta.numel == 0:
             return
-        blas, own = k.attrs["blas"], k.attrs.get("own_kernel", 0)
-        # the kernel reads a bias row itself, where it runs at every size the program admits
+        blas, own, order = k.attrs["blas"], k.attrs.get("own_kernel", 0), k.attrs.get("order")
+        # the kernel reads a bias row itself, where it runs at every size the program admits (a
+        # seed, in a convolution's order: an NCHW image's a value per row)
         row = own and isinstance(blas["n"], int) and bias is not None and _bias_row(self.slot_of(bias).meta, gemm_meta)
+        row = row or (order is not None and order[0] and bias is not None)
         if bias is not None and not row:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
             copy = Node(k.name, Op.COPY, (bias,), gemm_meta)
             self._loop_kernel(b, table, gemm_meta, c, (copy,), {})
@@ -546,7 +548,7 @@ class ModuleBuilder:
         epilogue = self._epilogue(k) if k.body else None
         if own and isinstance(blas["n"], int):
             bias_row = self.slot_of(bias) if row else None
-            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.attrs.get("pack"))
+            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.attrs.get("pack"), order)
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
@@ -569,13 +571,13 @@ class ModuleBuilder:
         acc = Access(self.slot_of(k.name).slot, k.attrs["acc_meta"])
         kern, loops = self._loop_function(k.meta, acc, k.body, {k.attrs["acc"]: acc})
         total = loops[0].size if loops else 1
-        n = k.meta.shape[-1]
+        rows, n = k.attrs.get("gemm_meta", k.meta).shape  # the product's, which threads split by rows
         same = acc.meta.shape == k.meta.shape
         dense = same and all(m.stride == contiguous_strides(m.shape) for m in (k.meta, acc.meta))
         step = None
         if dense and len(loops) == 1:
             step = n  # one flat loop over the elements
-        elif dense and len(loops) == 2 and loops[1].size == n:
+        elif dense and len(loops) == 2 and (loops[0].size, loops[1].size) == (rows, n):
             step = 1  # rows, then the columns
         return Epilogue(kern, k.meta.numel, total, step)
 
@@ -594,12 +596,15 @@ class ModuleBuilder:
         beta: float,
         epilogue: Epilogue | None,
         pack: Any = None,
+        order: tuple[bool, int] | None = None,
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
         untransposed, [N, K] transposed, or in fast mode the [N, K] weight's panels packed once:
         `pack`, a fast.GemmPack), its rows or its 32-column panels split between ATen's
         threads. The output starts as the bias row where `bias` is one, else as the copy of the
-        bias into it (beta 1) or empty (beta 0). An epilogue (_epilogue) runs on each thread's
+        bias into it (beta 1) or empty (beta 0). With `order`, (seeded, chunk), in the order of a
+        1 x 1 convolution of oneDNN's (gemmkernel.order_of): K in blocks of `chunk`, the sums
+        from the bias where seeded. An epilogue (_epilogue) runs on each thread's
         rows right after them, while they are in its cache, where rows are split and its loop
         follows them; otherwise as a pass of its own after the product.
 
@@ -612,6 +617,9 @@ class ModuleBuilder:
         from .. import gemmkernel  # built on this module's helpers
 
         name = gemmkernel.NAME_NK if blas["ta"] else gemmkernel.NAME  # linear's [N, K] weight, or [K, N]
+        seeded, chunk = order or (False, 0)
+        if seeded:
+            name = gemmkernel.NAME_NK_SEEDED if blas["ta"] else gemmkernel.NAME_SEEDED
         fn = self.kernel(gemmkernel, gemmkernel.NAME_PACKED if pack else name, gemmkernel.ARGS)
         x, w, c = operands
         m, n, kk = blas["n"], blas["m"], blas["k"]
@@ -631,8 +639,8 @@ class ModuleBuilder:
                 at = lambda p, i: kb.gep(p, [i], source_etype=F32)  # noqa: E731
                 ld = {d: self.dim(kb, tbl, blas[d]) for d in ("lda", "ldb", "ldc")}
                 out = at(self.pointer(kb, tbl, c), j0)
-                if bias is not None:
-                    first, ldi = at(self.pointer(kb, tbl, bias), j0), I64(0)
+                if bias is not None:  # (a seed of a value per row: the kernel finds each row's)
+                    first, ldi = at(self.pointer(kb, tbl, bias), I64(0) if seeded and not blas["ta"] else j0), I64(0)
                 elif beta:
                     first, ldi = out, ld["ldc"]
                 else:
@@ -644,7 +652,7 @@ class ModuleBuilder:
                     weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
                     ldw = ld["lda"]
                 inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ldw]
-                kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows])
+                kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows, I64(chunk)])
                 if with_rows:  # (inside the BLAS clock of a clocked build: it cannot be told apart)
                     step = self.dim(kb, tbl, epilogue.row_step)
                     kb.call(epilogue.loop, [tbl, kb.mul(lo, step), kb.mul(hi, step)])

@@ -7,6 +7,7 @@ convolution of channels-last rows is a GEMM in fast mode."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
-from .. import fast
-from ..ir import Op
+from .. import config, fast, gemmkernel, jit
+from ..ir import Op, TensorMeta
 from . import gemm
 from .core import Lowerer, NotNative, Sym, is_float32, no_out, plain_layer, to_meta
 
@@ -33,8 +34,13 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         # The layer's own call as torch.conv2d of its parameters: an ATen call that a native body
         # makes itself (codegen/calls.py), the layer's weights read and checked like any other's
         weight, bias = lw.weights(fn)
+        why = _EXACT
+        if (fn.kernel_size, fn.stride, fn.padding, fn.groups) == ((1, 1), (1, 1), (0, 0), 1):
+            why = _exact_pointwise(lw, args[0], weight, bias, out)
+            if isinstance(why, Sym):
+                return why
         given = (args[0], weight, bias, fn.stride, fn.padding, fn.dilation, fn.groups)
-        return lw.extern(torch.conv2d, given, {}, "torch.conv2d (a Conv2d layer's)", _EXACT, out)
+        return lw.extern(torch.conv2d, given, {}, "torch.conv2d (a Conv2d layer's)", why, out)
     if isinstance(fn, torch.nn.Conv2d):
         if fn.padding_mode != "zeros":
             raise NotNative("convolution with padding other than zeros")
@@ -69,6 +75,77 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
     why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
     return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
+
+
+def _exact_pointwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, out: Any) -> Sym | str:
+    """Exact mode: a 1 x 1 convolution as the product ATen's path computes, where a probe at its
+    shape found which (pointwise_order): of one NCHW image, W [OC, IC] @ X [IC, H*W] (+ the bias
+    per row), MKL's (ATen's slow_conv2d: the bias copied in, then sgemm_) or oneDNN's; of
+    channels-last pixels, rows [N*H*W, IC] @ W.T (+ the bias row), oneDNN's. oneDNN's orders
+    are gemmkernel's (gemmkernel.order_of). Else why it stays ATen's call."""
+    if not config.own_gemm:
+        return _EXACT + "; a generic program's sizes may change the path it takes"
+    if not (isinstance(x, Sym) and is_float32(x) and x.meta.dim() == 4 and isinstance(out, torch.Tensor)):
+        return _EXACT
+    nchw = x.meta.shape[0] == 1 and x.meta.is_contiguous() and out.is_contiguous()
+    if not (nchw or pixel_rows(x.meta, out)) or not w.meta.is_contiguous():
+        return _EXACT + "; a 1 x 1 one is native for one NCHW image or channels-last pixels"
+    (n, ic, h, wd), oc = x.meta.shape, w.meta.shape[0]
+    order = pointwise_order(n, oc, ic, h, wd, b is not None, nchw)
+    if order is None:
+        return _EXACT + "; at this shape a probe found none of the orders braze has"
+    weight = lw.view(w, lambda t: t.view(oc, ic))
+    if nchw:
+        operands = (weight, lw.view(x, lambda t: t.view(ic, h * wd)))
+        meta = torch.empty(oc, h * wd, device="meta")
+    else:
+        operands = (lw.view(x, lambda t: t.permute(0, 2, 3, 1).reshape(-1, ic)), lw.view(weight, torch.t))
+        meta = torch.empty(n * h * wd, oc, device="meta")
+    if order == MKL:
+        bias = None if b is None else lw.view(b, lambda t: t.view(oc, 1))
+        product = gemm._gemm(lw, *operands, bias, 1.0)
+    else:
+        blas = gemm.blas_args(*(TensorMeta.of(t) for t in (meta, operands[0].meta, operands[1].meta)))
+        inputs = (operands[0].name, operands[1].name, None if b is None else b.name)
+        product = lw.emit(Op.GEMM, inputs, meta, beta=0.0, blas=blas, own_kernel=1, one_thread=False, order=order)
+    return lw.view(product, lambda t: t.view(out.shape) if nchw else t.view(n, h, wd, oc).permute(0, 3, 1, 2))
+
+
+MKL = (False, 0)  # pointwise_order: ATen's slow_conv2d (the bias per row copied in, then sgemm_)
+
+
+def pointwise_order(n: int, oc: int, ic: int, h: int, w: int, bias: bool, nchw: bool) -> tuple[bool, int] | None:
+    """How ATen computes a 1 x 1 convolution at this shape and layout (its path depends on the
+    sizes, the thread count and whether oneDNN is enabled, all in the key): MKL, a (seeded,
+    chunk) order of gemmkernel's, or None where none gives its bits (on random values and
+    NaN, infinities, -0 and a denormal)."""
+    return _pointwise_order(n, oc, ic, h, w, bias, nchw, jit.mkl_threads(), torch.backends.mkldnn.enabled)
+
+
+@functools.cache
+def _pointwise_order(
+    n: int, oc: int, ic: int, h: int, w: int, bias: bool, nchw: bool, threads: int, mkldnn: bool
+) -> tuple[bool, int] | None:
+    if ic < gemmkernel.MIN_K:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, ic, h, w, generator=gen)
+    special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38])
+    x.view(-1)[: min(x.numel(), 6)] = special[: min(x.numel(), 6)]
+    if not nchw:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(oc, ic, 1, 1, generator=gen) * 0.1
+    b = torch.randn(oc, generator=gen) if bias else None
+    eager, w2 = F.conv2d(x, weight, b), weight.view(oc, ic)
+    if not nchw:
+        return gemmkernel.order_of(
+            eager.permute(0, 2, 3, 1).reshape(-1, oc), x.permute(0, 2, 3, 1).reshape(-1, ic), w2, b, True
+        )
+    eager, x2 = eager.view(oc, h * w), x.view(ic, h * w)
+    mkl = torch.mm(w2, x2) if b is None else torch.addmm(b.view(oc, 1), w2, x2)
+    if jit.same_bits(mkl, eager, nan_payloads=False):
+        return MKL
+    return gemmkernel.order_of(eager, w2, x2, b, False)
 
 
 def _plain(layer: Any) -> bool:
