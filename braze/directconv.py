@@ -1,10 +1,13 @@
-"""Fast mode's direct convolutions, into channels-last outputs: native kernels built once per
-process into the JIT, called by programs. Zero padding and strides of any size, no dilation.
+"""Direct convolutions, into channels-last outputs: native kernels built once per process into the
+JIT, called by programs (fast mode's; and exact mode's depthwise ones of channels-last pixels,
+where the taps' order is oneDNN's and the bias is added last). Zero padding and strides of any
+size, no dilation.
 
     braze_depthwise_conv2d(x, w, bias, y, h, w_, c, oh, ow, kh, kw, sh, sw, ph, pw, has_bias, lo, hi)
         depthwise (one filter per channel): output rows lo..hi (image * oh + row) of y
         [N, OH, OW, C] from channels-last x [N, H, W, C] and the model's weight [C, 1, KH, KW];
-        bias [C] when has_bias
+        bias [C] where has_bias: 1, the sums start at it; 2, it is added to them (eager's
+        order on channels-last pixels, oneDNN's depthwise kernel: exact mode)
     braze_conv2d_few(x, w, bias, y, h, w_, c, oh, ow, kh, kw, sh, sw, ph, pw, has_bias, lo, hi, cin)
         a convolution of few input channels (a network's first, on its NCHW image): the same
         from x [N, CIN, H, W] (contiguous) and the weight [C, CIN, KH, KW]
@@ -19,8 +22,8 @@ clipped to the image (zero padding adds nothing). One FMA chain per vector would
 FMA's latency (docs/limits.md: an earlier depthwise kernel ran 4x slower so), so pixels whose
 taps all lie inside the image go BLOCK at a time: BLOCK x (vectors in the group) chains side by
 side. A depthwise tap is an input vector (16 channels) times its filters; a few-channel tap an
-input value broadcast, times its filters. Sums are in tap order: fast mode's contract, not
-eager's bits.
+input value broadcast, times its filters. Sums are in tap order, from the bias or from 0 with
+the bias added last: oneDNN's order for depthwise convolutions (docs/aten-bits.md).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class _Call:
     taps: ll.Value = None  # a filter's: kh * kw, times cin for FEW
     filters: ll.Value = None  # [taps, group] vectors: the group's filters
     seeds: ll.Value = None  # [group] vectors: the group's bias (or zeros)
+    addends: ll.Value = None  # [group] vectors: the bias added to the sums (has_bias 2)
     acc: list = field(default_factory=list)  # block * group accumulators
 
 
@@ -105,6 +109,7 @@ def _kernel(name: str, module: ll.Module) -> None:
     k.taps = b.mul(k.kh, k.kw) if k.cin is None else b.mul(b.mul(k.kh, k.kw), k.cin)
     k.filters = b.alloca(V16, size=b.mul(k.taps, I64(k.group)))
     k.seeds = b.alloca(V16, size=I64(k.group))
+    k.addends = b.alloca(V16, size=I64(k.group))
     k.acc = [b.alloca(V16) for _ in range(k.block * k.group)]
     # The pixels whose taps all lie inside the image: ow in [inner, outer).
     inner = smaller(b, b.sdiv(b.add(k.pw, b.sub(k.sw, I64(1))), k.sw), k.ow)
@@ -133,7 +138,8 @@ def _group(b: ll.IRBuilder, k: _Call, n: int, first: ll.Value) -> list[ll.Value]
     """The group's filters, tap by tap, into k.filters and its bias into k.seeds (each vector
     masked to the channels that exist); the masks."""
     taps = k.taps
-    some = b.icmp_signed("!=", k.has_bias, I64(0))
+    some = splat(b, b.icmp_signed("!=", k.has_bias, I64(0)), LANES)
+    seeded = b.icmp_signed("==", k.has_bias, I64(1))
     masks = []
     for v in range(n):
         c0 = b.mul(b.add(first, I64(v)), I64(LANES))
@@ -142,9 +148,9 @@ def _group(b: ll.IRBuilder, k: _Call, n: int, first: ll.Value) -> list[ll.Value]
         with counted_loop(b, I64(0), taps) as t:
             filt = gather(b, k.w, b.add(b.mul(c0, taps), t), taps, mask)
             b.store(filt, b.gep(k.filters, [b.add(b.mul(t, I64(k.group)), I64(v))], source_etype=V16))
-        seeded = b.and_(mask, b.select(some, ll.Constant(mask.type, [1] * LANES), ll.Constant(mask.type, [0] * LANES)))
-        seed = masked_load(b, b.gep(k.bias, [c0], source_etype=F32), seeded)  # no bias: no lane read
-        b.store(seed, b.gep(k.seeds, [I64(v)], source_etype=V16))
+        bias = masked_load(b, b.gep(k.bias, [c0], source_etype=F32), b.and_(mask, some))  # none: no lane read
+        b.store(b.select(seeded, bias, ZERO), b.gep(k.seeds, [I64(v)], source_etype=V16))
+        b.store(bias, b.gep(k.addends, [I64(v)], source_etype=V16))
     return masks
 
 
@@ -190,11 +196,14 @@ def _pixels(b: ll.IRBuilder, k: _Call, n: int, pixels: int, col: ll.Value, at_ro
                     for v in range(n):
                         xv = _input(b, k, src, at, v, masks[v])
                         b.store(fma(b, xv, filters[v], b.load(acc[p][v], typ=V16)), acc[p][v])
+    after = b.icmp_signed("==", k.has_bias, I64(2))
     for p in range(pixels):
         at = b.mul(b.add(col, I64(p)), k.c)
         for v in range(n):
             out = b.gep(dst, [b.add(at, I64(LANES * v))], source_etype=F32)
-            masked_store(b, b.load(acc[p][v], typ=V16), out, masks[v])
+            total = b.load(acc[p][v], typ=V16)
+            added = b.fadd(total, b.load(b.gep(k.addends, [I64(v)], source_etype=V16), typ=V16))
+            masked_store(b, b.select(after, added, total), out, masks[v])
 
 
 def _input(b: ll.IRBuilder, k: _Call, src: ll.Value, at: ll.Value, v: int, mask: ll.Value) -> ll.Value:
@@ -210,9 +219,12 @@ def library(kernel: str) -> int:
     return jit.kernel(kernel, lambda module: _kernel(kernel, module))
 
 
-def conv2d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: tuple, padding: tuple):
+def conv2d(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: tuple, padding: tuple, bias_last: bool = False
+) -> torch.Tensor:
     """The native convolution of float32 x, channels-last (depthwise) or contiguous (few-channel:
-    w has more than one input channel, or x one channel), into a channels-last result (tests)."""
+    w has more than one input channel, or x one channel), into a channels-last result (tests and
+    probes); `bias_last`: the bias added to the sums rather than their start."""
     n, cin, h, wd = x.shape
     c, kh, kw = w.shape[0], *w.shape[-2:]
     few = w.shape[1] > 1 or c != cin
@@ -220,6 +232,7 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: 
     y = torch.empty(n, c, oh, ow).contiguous(memory_format=torch.channels_last)
     name = FEW if few else DEPTHWISE
     fn = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * (ARGS + few))(library(name))
-    sizes = (h, wd, c, oh, ow, kh, kw, *stride, *padding, int(bias is not None), 0, n * oh) + ((cin,) if few else ())
+    has_bias = 0 if bias is None else 2 if bias_last else 1
+    sizes = (h, wd, c, oh, ow, kh, kw, *stride, *padding, has_bias, 0, n * oh) + ((cin,) if few else ())
     fn(x.data_ptr(), w.contiguous().data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), *sizes)
     return y

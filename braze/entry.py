@@ -107,7 +107,7 @@ class EntrySpec:
     epoch_value: int
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     mkl_threads: int  # jit.mkl_threads() the GEMMs' calls were probed at (one thread, own kernel); -1: none
-    mkldnn: int  # 1: the program needs torch.backends.mkldnn enabled (onednn.py); -1: it does not
+    mkldnn: int  # torch.backends.mkldnn's flag the program needs (GELU: enabled; convolutions: as compiled); -1: none
     outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout as words) allocated per call and returned
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes as a word) of buffers kept across calls
@@ -633,8 +633,9 @@ class _Runtime:
         """The process's settings the program's bits depend on are as compiled (a field of -1:
         the program depends on no such setting): ATen's float32 matmul precision its GEMMs were
         compiled for; MKL's thread count its one-thread GEMMs and braze's own GEMM kernels were
-        probed at (on another count, eager's GEMMs may give other bits); torch.backends.mkldnn
-        enabled (1), where its GELU is the oneDNN kernel's, which eager runs only then."""
+        probed at (on another count, eager's GEMMs may give other bits); torch.backends.mkldnn's
+        flag, where its GELU is the oneDNN kernel's (which eager runs only while enabled) or its
+        convolutions follow the path ATen takes with the flag as compiled."""
         context = lambda: b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])  # noqa: E731
         precision = self.mb.declare(FP32_PRECISION, I32, [PTR, I32, I32])
         reads = {

@@ -381,7 +381,7 @@ class Program:
             epoch_value=guard.epoch_value,
             matmul_precision=matmul_precision() if self._gemms() else -1,
             mkl_threads=mkl_threads() if self._probed_gemms() else -1,
-            mkldnn=1 if self._onednn() else -1,
+            mkldnn=int(torch.backends.mkldnn.enabled) if self._onednn() else -1,
             outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=scratch if self.native else (),
@@ -512,10 +512,12 @@ class Program:
 
     def _onednn(self) -> bool:
         """Whether the program computes what ATen computes through oneDNN only while
-        torch.backends.mkldnn is enabled (gelu's erf form, a 1 x 1 convolution in its order)."""
+        torch.backends.mkldnn is enabled (gelu's erf form), or whose native convolutions follow the
+        path ATen takes with it as it was (exact mode's: oneDNN's order, or MKL's without it)."""
         body = lambda k: k.attrs.get("body", (k,))  # noqa: E731
         kernels = [k for s in self.segments for k in s.kernels]
-        return any(k.attrs.get("order") for k in kernels) or any(n.op is Op.GELU_ERF for k in kernels for n in body(k))
+        convolutions = any(k.attrs.get("convolution") for k in kernels)
+        return convolutions or any(n.op is Op.GELU_ERF for k in kernels for n in body(k))
 
     def _flops(self) -> int:
         """Floating-point operations per call, roughly: GEMMs count 2mnk, loops one per element

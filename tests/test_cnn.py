@@ -428,6 +428,7 @@ def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bi
         _same_bits(compiled, model, x)
         with torch.backends.mkldnn.flags(enabled=False):  # ATen's own slow_conv2d (and GELU)
             _same_bits(compiled, model, x)
+        _same_bits(compiled, model, x)  # (the last program was compiled with oneDNN off)
     finally:
         torch.set_num_threads(before)
     assert all(label == "1 (GELU)" for p in compiled.programs() for label, _ in p.externs)
@@ -457,3 +458,60 @@ def test_1x1_convolutions_braze_leaves_to_aten(case):
     model = nn.Sequential(nn.Conv2d(cin, 8, 1, **kw), nn.ReLU()).eval()
     x = torch.randn(3 if case == "a batch of NCHW images" else 1, cin, 8, 8)
     check_model(model, (x,), externs=1)
+
+
+# (channels, height, width, kernel, stride, batch): ConvNeXt's, MobileNet's, odd sizes. (One
+# channel, or a 1 x 1 image, which is NCHW too, takes another path of ATen's: the probe refuses it.)
+DEPTHWISE = [
+    (40, 56, 56, 7, 1, 1),
+    (160, 14, 14, 7, 1, 1),
+    (17, 15, 16, 3, 1, 2),
+    (72, 28, 28, 5, 2, 1),
+    (16, 9, 7, 3, 2, 3),
+    (3, 5, 5, 3, 1, 1),
+    (33, 3, 2, 3, 1, 1),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", DEPTHWISE, ids=str)
+def test_a_depthwise_convolution_of_channels_last_pixels_is_native_in_atens_order(shape, bias, threads):
+    """Exact mode: oneDNN's depthwise convolution of channels-last pixels sums each output's taps
+    inside the image in order and adds the bias last: directconv's kernel so, no ATen call,
+    eager's bits (special values, signed zeros), on other thread counts and with oneDNN off."""
+    c, h, w, k, s, n = shape
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(c, c, k, stride=s, padding=k // 2, groups=c, bias=bias), nn.ReLU()).eval()
+    x = special(n, c, h, w).contiguous(memory_format=torch.channels_last)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = check_model(model, (x,), externs=0)
+        _same_bits(compiled, model, x)
+        torch.set_num_threads(3 - threads)
+        _same_bits(compiled, model, x)
+        with torch.backends.mkldnn.flags(enabled=False):  # ATen's own kernel: its order, or its call
+            _same_bits(compiled, model, x)
+        _same_bits(compiled, model, x)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_depthwise_convolutions_braze_leaves_to_aten(monkeypatch):
+    from braze import directconv
+    from braze.lowering import conv
+
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU()).eval()
+    x = torch.randn(1, 8, 9, 9)
+    compiled = check_model(model, (x,), externs=1)  # NCHW: ATen's call
+    assert "channels-last" in compiled.programs()[-1].externs[0][1]
+    x = x.contiguous(memory_format=torch.channels_last)
+    same = lambda: conv.depthwise_same((1, 8, 9, 9), True, (3, 3), (1, 1), (1, 1))  # noqa: E731
+    real = directconv.conv2d
+    off = lambda *a, **k: real(*a, **k).nextafter(torch.tensor(float("inf")))  # noqa: E731  (an ulp off)
+    assert same()
+    assert not probe_with(monkeypatch, directconv, "conv2d", off, same, conv._depthwise_same)
+    monkeypatch.setattr(conv, "depthwise_same", lambda *a: False)
+    compiled = check_model(model, (x,), externs=1)
+    assert "probe found another order" in compiled.programs()[-1].externs[0][1]

@@ -465,7 +465,7 @@ class ModuleBuilder:
             dims_ = [self.dim(kb, tbl, d) for d in (x.shape[2], x.shape[3], out.shape[1], out.shape[2], out.shape[3])]
             window = [I64(v) for key in ("kernel", "stride", "padding") for v in k.attrs[key]]
             fn = self.kernel(directconv, name, [PTR] * 4 + [I64] * (directconv.ARGS + len(few)))
-            has_bias = I64(len(k.inputs) - 2)
+            has_bias = I64(2 if k.attrs.get("bias_last") and len(k.inputs) > 2 else len(k.inputs) - 2)
             kb.call(fn, [*ptrs, bias, y, *dims_, *window, has_bias, lo, hi, *(self.dim(kb, tbl, d) for d in few)])
 
     def _attention(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
-from .. import config, fast, gemmkernel, jit
+from .. import config, directconv, fast, gemmkernel, jit
 from ..ir import Op, TensorMeta
 from . import gemm
 from .core import Lowerer, NotNative, Sym, is_float32, no_out, plain_layer, to_meta
@@ -37,8 +37,10 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         why = _EXACT
         if (fn.kernel_size, fn.stride, fn.padding, fn.groups) == ((1, 1), (1, 1), (0, 0), 1):
             why = _exact_pointwise(lw, args[0], weight, bias, out)
-            if isinstance(why, Sym):
-                return why
+        elif fn.groups == fn.in_channels == fn.out_channels and fn.dilation == (1, 1):
+            why = _exact_depthwise(lw, args[0], weight, bias, fn, out)
+        if isinstance(why, Sym):
+            return why
         given = (args[0], weight, bias, fn.stride, fn.padding, fn.dilation, fn.groups)
         return lw.extern(torch.conv2d, given, {}, "torch.conv2d (a Conv2d layer's)", why, out)
     if isinstance(fn, torch.nn.Conv2d):
@@ -103,12 +105,59 @@ def _exact_pointwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, out: Any) -> Sy
         meta = torch.empty(n * h * wd, oc, device="meta")
     if order == MKL:
         bias = None if b is None else lw.view(b, lambda t: t.view(oc, 1))
-        product = gemm._gemm(lw, *operands, bias, 1.0)
+        product = gemm._gemm(lw, *operands, bias, 1.0, convolution=True)  # (the entry checks oneDNN's flag)
     else:
         blas = gemm.blas_args(*(TensorMeta.of(t) for t in (meta, operands[0].meta, operands[1].meta)))
         inputs = (operands[0].name, operands[1].name, None if b is None else b.name)
-        product = lw.emit(Op.GEMM, inputs, meta, beta=0.0, blas=blas, own_kernel=1, one_thread=False, order=order)
+        attrs = {"beta": 0.0, "blas": blas, "own_kernel": 1, "one_thread": False, "order": order, "convolution": True}
+        product = lw.emit(Op.GEMM, inputs, meta, **attrs)
     return lw.view(product, lambda t: t.view(out.shape) if nchw else t.view(n, h, wd, oc).permute(0, 3, 1, 2))
+
+
+def _exact_depthwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, layer: torch.nn.Conv2d, out: Any) -> Sym | str:
+    """Exact mode: a depthwise convolution of channels-last pixels as directconv's kernel with the
+    bias added to the sums (oneDNN's order there: each output an FMA chain over the taps inside
+    the image, in order), where a probe at its shape agrees (depthwise_same). Else why not."""
+    if not config.own_gemm:
+        return _EXACT + "; a generic program's sizes may change the path it takes"
+    if not (isinstance(x, Sym) and is_float32(x) and x.meta.dim() == 4 and isinstance(out, torch.Tensor)):
+        return _EXACT
+    if not pixel_rows(x.meta, out) or not w.meta.is_contiguous():
+        return _EXACT + "; a depthwise one is native on channels-last pixels"
+    window = {"kernel": layer.kernel_size, "stride": layer.stride, "padding": layer.padding}
+    if not depthwise_same(tuple(x.meta.shape), b is not None, *window.values()):
+        return _EXACT + "; at this shape a probe found another order"
+    inputs = (x.name, w.name) + (() if b is None else (b.name,))
+    return lw.emit(Op.CONV, inputs, out, depthwise=True, bias_last=True, convolution=True, **window)
+
+
+def depthwise_same(shape: tuple[int, ...], bias: bool, kernel: tuple, stride: tuple, padding: tuple) -> bool:
+    """Whether directconv's depthwise kernel, the bias added last, gives eager's bits on
+    channels-last pixels of this shape (random values, NaN, infinities, -0, a denormal). Once per
+    process, shape, window, thread count and oneDNN flag."""
+    key = (shape, bias, tuple(kernel), tuple(stride), tuple(padding))
+    return _depthwise_same(*key, jit.mkl_threads(), torch.backends.mkldnn.enabled)
+
+
+@functools.cache
+def _depthwise_same(
+    shape: tuple, bias: bool, kernel: tuple, stride: tuple, padding: tuple, threads: int, mkldnn: bool
+) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = _probe_input(shape, gen).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(shape[1], 1, *kernel, generator=gen)
+    b = torch.randn(shape[1], generator=gen) if bias else None
+    eager = F.conv2d(x, weight, b, stride, padding, groups=shape[1])
+    ours = directconv.conv2d(x, weight, b, stride, padding, bias_last=True)
+    return jit.same_bits(ours, eager, nan_payloads=False)
+
+
+def _probe_input(shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Random values of `shape`, the first ones NaN, infinities, -0, a denormal and a large one."""
+    x = torch.randn(*shape, generator=gen)
+    special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38])
+    x.view(-1)[: min(x.numel(), 6)] = special[: min(x.numel(), 6)]
+    return x
 
 
 MKL = (False, 0)  # pointwise_order: ATen's slow_conv2d (the bias per row copied in, then sgemm_)
@@ -129,9 +178,7 @@ def _pointwise_order(
     if ic < gemmkernel.MIN_K:
         return None
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, ic, h, w, generator=gen)
-    special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38])
-    x.view(-1)[: min(x.numel(), 6)] = special[: min(x.numel(), 6)]
+    x = _probe_input((n, ic, h, w), gen)
     if not nchw:
         x = x.contiguous(memory_format=torch.channels_last)
     weight = torch.randn(oc, ic, 1, 1, generator=gen) * 0.1

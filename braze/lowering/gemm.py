@@ -103,8 +103,9 @@ def _full_precision() -> None:
         raise NotNative("float32 matmul precision is reduced: ATen may call oneDNN's GEMM")
 
 
-def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: Sym | None = None) -> Sym:
-    """m1 @ m2 (+ bias), where m2 may be linear's `weight` transposed (fast mode may keep it packed)."""
+def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: Sym | None = None, **attrs: Any) -> Sym:
+    """m1 @ m2 (+ bias), where m2 may be linear's `weight` transposed (fast mode may keep it packed);
+    `attrs` for the node besides its own."""
     _full_precision()
     for t in (m1, m2) + ((bias,) if bias is not None else ()):
         if not is_float32(t):
@@ -122,7 +123,7 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: 
     own = own_kernel(args, beta)
     one = not own and _one_thread(args, beta)
     kept = _kept_pack(lw, weight, args)
-    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one, **kept)
+    return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one, **kept, **attrs)
 
 
 def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[str, Any]:
