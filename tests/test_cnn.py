@@ -504,7 +504,7 @@ def test_depthwise_convolutions_braze_leaves_to_aten(monkeypatch):
 
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU()).eval()
     x = torch.randn(1, 8, 9, 9)
-    compiled = check_model(model, (x,), externs=1)  # NCHW: ATen's call
+    compiled = check_model(model, (x,), externs=1)  # NCHW: ATen's call (see docs/limits.md)
     assert "channels-last" in compiled.programs()[-1].externs[0][1]
     x = x.contiguous(memory_format=torch.channels_last)
     same = lambda: conv.depthwise_same((1, 8, 9, 9), True, (3, 3), (1, 1), (1, 1))  # noqa: E731
