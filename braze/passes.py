@@ -160,9 +160,23 @@ def _sole_user(n: Node, users: dict[str, list[Node]]) -> Node | None:
 
 
 def _reshape_of(g: Node, v: Node) -> bool:
-    """Whether view v shows all of g's elements in g's own order (both contiguous from offset 0)."""
+    """Whether view v shows all of g's elements at their own addresses: g contiguous from offset
+    0, v dense over the same memory (a reshape of g, or a permutation of one: a channels-last
+    1 x 1 convolution's product of pixel rows seen as [N, C, H, W])."""
     contiguous = lambda m: m.offset == 0 and m.stride == contiguous_strides(m.shape)  # noqa: E731
-    return v.op is Op.VIEW and v.meta.numel == g.meta.numel and contiguous(g.meta) and contiguous(v.meta)
+    return v.op is Op.VIEW and v.meta.numel == g.meta.numel and contiguous(g.meta) and _dense(v.meta)
+
+
+def _dense(m: TensorMeta) -> bool:
+    """Whether m's elements fill its memory from offset 0 without gaps or overlaps, in any order."""
+    if m.offset != 0 or not all(isinstance(d, int) for d in (*m.shape, *m.stride)):
+        return m.offset == 0 and m.stride == contiguous_strides(m.shape)
+    step = 1
+    for stride, size in sorted((s, d) for d, s in zip(m.shape, m.stride) if d != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
 
 
 def _owner(n: Node, by_name: dict[str, Node]) -> str:

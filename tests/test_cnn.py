@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import braze
 from braze import jit, pool
+from braze.ir import Op
 
 from .helpers import assert_same, check_model, probe_with
 from .test_ops import special
@@ -515,3 +516,24 @@ def test_depthwise_convolutions_braze_leaves_to_aten(monkeypatch):
     monkeypatch.setattr(conv, "depthwise_same", lambda *a: False)
     compiled = check_model(model, (x,), externs=1)
     assert "probe found another order" in compiled.programs()[-1].externs[0][1]
+
+
+class _InvertedBottleneck(nn.Module):  # ConvNeXt's block after its depthwise convolution
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Conv2d(16, 64, 1), nn.Conv2d(64, 16, 1)
+        self.gamma = nn.Parameter(torch.randn(16, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.down(F.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_channels_last_1x1_convolution_takes_what_follows_as_its_epilogue(batch):
+    """The product of channels-last pixel rows seen as [N, C, H, W] lies where the rows do: what
+    follows it elementwise (ReLU; the layer scale and residual) runs in the GEMM's epilogue."""
+    torch.manual_seed(0)
+    x = special(batch, 16, 9, 7).contiguous(memory_format=torch.channels_last)
+    compiled = check_model(_InvertedBottleneck().eval(), (x,), kernels=2, externs=0)
+    bodies = [[b.op.value for b in n.body] for n in compiled.programs()[-1].graph.nodes if n.op is Op.GEMM]
+    assert bodies == [["relu"], ["mul", "add"]]

@@ -135,11 +135,18 @@ def test_epilogue_reads_the_gemm_through_a_reshape():
     check_model(se, (torch.randn(1, 16),), kernels=1, externs=0)
 
 
-def test_epilogue_does_not_read_through_a_view_that_reorders():
-    w = torch.randn(12, 8)
+def test_epilogue_reads_through_a_view_that_permutes_the_product():
+    """Eager's elementwise result keeps a permuted view's layout, so each element is written where
+    the product has it: the loop is the GEMM's epilogue (walking memory in order), and it is
+    eager's; what reads it through another view after that is a loop of its own."""
+    w, y = torch.randn(12, 8), torch.randn(6, 2, 12)
     compiled = check_model(lambda x: F.linear(x, w).view(6, 2, 12).transpose(0, 1) * 2, (torch.randn(12, 8),))
     gemm = next(n for n in compiled.programs()[0].graph.nodes if n.op is Op.GEMM)
-    assert not gemm.body  # the loop writes another layout than the product's: its own kernel
+    assert [b.op.value for b in gemm.body] == ["mul"]
+    compiled = check_model(
+        lambda x: (F.linear(x, w).view(6, 2, 12).transpose(0, 1) * 2).transpose(0, 1) + y, (torch.randn(12, 8),)
+    )
+    assert compiled.programs()[0].kernel_count == 2
 
 
 def test_thread_counts_match_eager():
@@ -471,3 +478,38 @@ def test_own_kernel_programs_follow_the_thread_count(threads):
     threads(2)
     check_model(lambda x: x @ w, (torch.randn(64, 96),), compiled=compiled)
     assert len(compiled.programs()) == 2
+
+
+def _chains(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, chunk: int, seeded: bool, linear: bool):
+    """The blocked order gemmkernel's kernels follow, in float64 per step (an FMA rounds once: a
+    float32 product is exact in float64, and the sums here are far from double rounding's rare
+    ties): K in blocks of `chunk`, each an FMA chain from 0 added to the output so far, which
+    starts as the bias row; seeded: the first block's chain starts at the bias instead (a value
+    per row for w [K, N], a row for linear's)."""
+    w = w.t() if linear else w
+    m, (k, n) = x.shape[0], w.shape
+    rows = None if bias is None else bias.view(-1, 1) if seeded and not linear else bias.view(1, -1)
+    out = None if seeded or rows is None else rows.expand(m, n)
+    for k0 in range(0, k, chunk):
+        acc = rows.expand(m, n) if seeded and k0 == 0 and rows is not None else torch.zeros(m, n)
+        for kk in range(k0, min(k, k0 + chunk)):
+            acc = (x[:, kk : kk + 1].double() * w[kk : kk + 1].double() + acc.double()).float()
+        out = acc if out is None else out + acc
+    return out
+
+
+@pytest.mark.parametrize("linear", [False, True])
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("k,chunk", [(40, 40), (40, 16), (33, 16), (640, 80), (700, 256), (17, 200)])
+def test_the_kernels_block_size_and_seed_give_the_blocked_order(k, chunk, seeded, linear):
+    """gemmkernel's drivers with a block of K given and the sums seeded (oneDNN's 1 x 1 convolution
+    orders, docs/aten-bits.md) against a reference of the order itself, not eager's: blocks of
+    16 to 256 (over KC: a panel on the heap), K not a multiple of them, odd M and N."""
+    from braze import gemmkernel
+
+    torch.manual_seed(k + chunk)
+    m, n = 13, 37
+    x, w = torch.randn(m, k), torch.randn(n, k) if linear else torch.randn(k, n)
+    bias = torch.randn(m if seeded and not linear else n)
+    got = gemmkernel.gemm(x, w, bias, linear, chunk=chunk, seeded=seeded)
+    assert torch.equal(got, _chains(x, w, bias, chunk, seeded, linear))

@@ -29,7 +29,7 @@ import torch
 
 from .. import jit
 from ..dims import Dim, Expr
-from ..ir import Node, Op, TensorMeta, contiguous_strides
+from ..ir import Node, Op, TensorMeta
 from .loops import (
     F32,
     I1,
@@ -572,13 +572,15 @@ class ModuleBuilder:
         kern, loops = self._loop_function(k.meta, acc, k.body, {k.attrs["acc"]: acc})
         total = loops[0].size if loops else 1
         rows, n = k.attrs.get("gemm_meta", k.meta).shape  # the product's, which threads split by rows
-        same = acc.meta.shape == k.meta.shape
-        dense = same and all(m.stride == contiguous_strides(m.shape) for m in (k.meta, acc.meta))
+        # The loops walk the product's memory in order (it and the result laid out alike, dense:
+        # contiguous, or a channels-last convolution's pixel rows seen as [N, C, H, W]) ...
+        stride = lambda d: k.meta.stride[d.axis]  # noqa: E731
+        alike = (acc.meta.shape, acc.meta.stride, acc.meta.offset) == (k.meta.shape, k.meta.stride, 0)
         step = None
-        if dense and len(loops) == 1:
-            step = n  # one flat loop over the elements
-        elif dense and len(loops) == 2 and (loops[0].size, loops[1].size) == (rows, n):
-            step = 1  # rows, then the columns
+        if alike and len(loops) == 1 and (loops[0].size, stride(loops[0])) == (k.meta.numel, 1):
+            step = n  # ... as one flat loop over the elements
+        elif alike and len(loops) == 2 and [(d.size, stride(d)) for d in loops] == [(rows, n), (n, 1)]:
+            step = 1  # ... as rows, then the columns
         return Epilogue(kern, k.meta.numel, total, step)
 
     def _epilogue_pass(self, b: ll.IRBuilder, table: ll.Value, epilogue: Epilogue | None) -> None:
