@@ -394,8 +394,10 @@ def test_a_convolution_reads_its_layers_weights_as_they_are_at_each_call():
 
 
 # (in, out channels, height, width, batch, channels-last): K in one block, in MKL's, in oneDNN's
-# blocks of 80 and 256, odd sizes; NCHW images one at a time, channels-last pixels in a batch
+# blocks of 80 and 256, odd sizes; NCHW images alone and in batches, channels-last pixels
 POINTWISE = [
+    (640, 160, 14, 14, 3, False),
+    (17, 33, 9, 11, 2, False),
     (40, 160, 56, 56, 1, False),
     (640, 160, 14, 14, 1, False),
     (1280, 320, 7, 7, 1, False),
@@ -422,8 +424,11 @@ def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bi
     x = special(n, cin, h, w).contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # (ATen's slow_conv2d of several images, on one thread with a bias: MKL's order per image,
+    # which braze leaves to ATen; the probe finds none of its orders)
+    atens = int(not last and n > 1 and bias and threads == 1)
     try:
-        compiled = check_model(model, (x,), kernels=2 if last else 1, externs=0)
+        compiled = check_model(model, (x,), kernels=2 if last else 1, externs=atens)
         _same_bits(compiled, model, x)
         torch.set_num_threads(3 - threads)  # another path, another order: compiled again
         _same_bits(compiled, model, x)
@@ -432,7 +437,6 @@ def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bi
         _same_bits(compiled, model, x)  # (the last program was compiled with oneDNN off)
     finally:
         torch.set_num_threads(before)
-    assert all(label == "1 (GELU)" for p in compiled.programs() for label, _ in p.externs)
 
 
 def test_a_1x1_convolution_braze_has_no_order_for_stays_atens_call(monkeypatch):
@@ -452,13 +456,13 @@ def test_a_1x1_convolution_braze_has_no_order_for_stays_atens_call(monkeypatch):
     assert "Conv2d" in label and "probe found none" in why
 
 
-@pytest.mark.parametrize("case", ["stride", "padding", "groups", "a batch of NCHW images", "1 input channel"])
+@pytest.mark.parametrize("case", ["stride", "padding", "groups", "strided input", "1 input channel"])
 def test_1x1_convolutions_braze_leaves_to_aten(case):
     kw = {"stride": {"stride": 2}, "padding": {"padding": 1}, "groups": {"groups": 2}}.get(case, {})
     cin = 1 if case == "1 input channel" else 4
     model = nn.Sequential(nn.Conv2d(cin, 8, 1, **kw), nn.ReLU()).eval()
-    x = torch.randn(3 if case == "a batch of NCHW images" else 1, cin, 8, 8)
-    check_model(model, (x,), externs=1)
+    x = torch.randn(1, cin, 8, 16)
+    check_model(model, (x[..., ::2] if case == "strided input" else x,), externs=1)
 
 
 # (channels, height, width, kernel, stride, batch): ConvNeXt's, MobileNet's, odd sizes. (One

@@ -548,7 +548,8 @@ class ModuleBuilder:
         epilogue = self._epilogue(k) if k.body else None
         if own and isinstance(blas["n"], int):
             bias_row = self.slot_of(bias) if row else None
-            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.attrs.get("pack"), order)
+            pack, images = k.attrs.get("pack"), k.attrs.get("images", 1)
+            self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, pack, order, images)
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
@@ -599,6 +600,7 @@ class ModuleBuilder:
         epilogue: Epilogue | None,
         pack: Any = None,
         order: tuple[bool, int] | None = None,
+        images: int = 1,
     ) -> None:
         """gemmkernel's kernel in place of sgemm_ (C = X @ W, BLAS's swapped call: W [K, N]
         untransposed, [N, K] transposed, or in fast mode the [N, K] weight's panels packed once:
@@ -606,8 +608,9 @@ class ModuleBuilder:
         threads. The output starts as the bias row where `bias` is one, else as the copy of the
         bias into it (beta 1) or empty (beta 0). With `order`, (seeded, chunk), in the order of a
         1 x 1 convolution of oneDNN's (gemmkernel.order_of): K in blocks of `chunk`, the sums
-        from the bias where seeded. An epilogue (_epilogue) runs on each thread's
-        rows right after them, while they are in its cache, where rows are split and its loop
+        from the bias where seeded; with `images`, NCHW images' products one under another (rows
+        split across all of them, each image's range its own call). An epilogue (_epilogue) runs
+        on each thread's rows right after them, while they are in its cache, where rows are split and its loop
         follows them; otherwise as a pass of its own after the product.
 
         Each thread reads all of what it does not split: the weight where rows are split
@@ -630,8 +633,8 @@ class ModuleBuilder:
 
         def split(columns: bool) -> None:
             with_rows = fusable and not columns
-            total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m
-            with self._ranged(b, table, "own_gemm", m * n * kk, total) as (kb, tbl, lo, hi):
+            total = (n + gemmkernel.NR - 1) // gemmkernel.NR if columns else m * images
+            with self._ranged(b, table, "own_gemm", m * n * kk * images, total) as (kb, tbl, lo, hi):
                 if columns:
                     j0 = kb.mul(lo, I64(gemmkernel.NR))
                     width = kb.sub(smaller(kb, kb.mul(hi, I64(gemmkernel.NR)), I64(n)), j0)
@@ -654,7 +657,18 @@ class ModuleBuilder:
                     weight = at(self.pointer(kb, tbl, w), kb.mul(j0, ld["lda"]) if blas["ta"] else j0)
                     ldw = ld["lda"]
                 inputs = [self.pointer(kb, tbl, x), ld["ldb"], weight, ldw]
-                kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows, I64(chunk)])
+                if images == 1:
+                    kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows, I64(chunk)])
+                else:  # each image's rows in the range: its pixels [K, N] and product [M, N]
+                    with counted_loop(kb, kb.sdiv(lo, I64(m)), kb.sdiv(kb.add(hi, I64(m - 1)), I64(m))) as image:
+                        start = kb.mul(image, I64(m))
+                        first_row = kb.sub(lo, start)
+                        first_row = kb.select(kb.icmp_signed("<", first_row, I64(0)), I64(0), first_row)
+                        last_row = smaller(kb, kb.sub(hi, start), I64(m))
+                        inputs[2] = at(weight, kb.mul(image, kb.mul(I64(kk), ldw)))
+                        product = at(out, kb.mul(start, ld["ldc"]))
+                        local = [first, ldi, width, I64(kk), first_row, last_row, I64(chunk)]
+                        kb.call(fn, [*inputs, product, ld["ldc"], *local])
                 if with_rows:  # (inside the BLAS clock of a clocked build: it cannot be told apart)
                     step = self.dim(kb, tbl, epilogue.row_step)
                     kb.call(epilogue.loop, [tbl, kb.mul(lo, step), kb.mul(hi, step)])

@@ -81,25 +81,25 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
 
 def _exact_pointwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, out: Any) -> Sym | str:
     """Exact mode: a 1 x 1 convolution as the product ATen's path computes, where a probe at its
-    shape found which (pointwise_order): of one NCHW image, W [OC, IC] @ X [IC, H*W] (+ the bias
-    per row), MKL's (ATen's slow_conv2d: the bias copied in, then sgemm_) or oneDNN's; of
-    channels-last pixels, rows [N*H*W, IC] @ W.T (+ the bias row), oneDNN's. oneDNN's orders
-    are gemmkernel's (gemmkernel.order_of). Else why it stays ATen's call."""
+    shape found which (pointwise_order): of NCHW images, W [OC, IC] @ X [IC, H*W] (+ the bias
+    per row) per image, MKL's (ATen's slow_conv2d: the bias copied in, then sgemm_; for one image)
+    or oneDNN's; of channels-last pixels, rows [N*H*W, IC] @ W.T (+ the bias row), oneDNN's.
+    oneDNN's orders are gemmkernel's (gemmkernel.order_of). Else why it stays ATen's call."""
     if not config.own_gemm:
         return _EXACT + "; a generic program's sizes may change the path it takes"
     if not (isinstance(x, Sym) and is_float32(x) and x.meta.dim() == 4 and isinstance(out, torch.Tensor)):
         return _EXACT
-    nchw = x.meta.shape[0] == 1 and x.meta.is_contiguous() and out.is_contiguous()
+    nchw = x.meta.is_contiguous() and out.is_contiguous()
     if not (nchw or pixel_rows(x.meta, out)) or not w.meta.is_contiguous():
-        return _EXACT + "; a 1 x 1 one is native for one NCHW image or channels-last pixels"
+        return _EXACT + "; a 1 x 1 one is native for contiguous NCHW images or channels-last pixels"
     (n, ic, h, wd), oc = x.meta.shape, w.meta.shape[0]
     order = pointwise_order(n, oc, ic, h, wd, b is not None, nchw)
     if order is None:
         return _EXACT + "; at this shape a probe found none of the orders braze has"
     weight = lw.view(w, lambda t: t.view(oc, ic))
-    if nchw:
-        operands = (weight, lw.view(x, lambda t: t.view(ic, h * wd)))
-        meta = torch.empty(oc, h * wd, device="meta")
+    if nchw:  # the images' products one under another: [N*OC, H*W] (eager's NCHW result)
+        operands = (weight, lw.view(x, lambda t: t.view(n * ic, h * wd)))
+        meta = torch.empty(n * oc, h * wd, device="meta")
     else:
         operands = (lw.view(x, lambda t: t.permute(0, 2, 3, 1).reshape(-1, ic)), lw.view(weight, torch.t))
         meta = torch.empty(n * h * wd, oc, device="meta")
@@ -107,10 +107,12 @@ def _exact_pointwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, out: Any) -> Sy
         bias = None if b is None else lw.view(b, lambda t: t.view(oc, 1))
         product = gemm._gemm(lw, *operands, bias, 1.0, convolution=True)  # (the entry checks oneDNN's flag)
     else:
-        blas = gemm.blas_args(*(TensorMeta.of(t) for t in (meta, operands[0].meta, operands[1].meta)))
+        # (BLAS's arguments of one image's product: codegen runs each image's rows in turn)
+        one = [torch.empty(oc, h * wd, device="meta"), operands[0].meta, torch.empty(ic, h * wd, device="meta")]
+        blas = gemm.blas_args(*(TensorMeta.of(t) for t in (one if nchw else (meta, *(o.meta for o in operands)))))
         inputs = (operands[0].name, operands[1].name, None if b is None else b.name)
         attrs = {"beta": 0.0, "blas": blas, "own_kernel": 1, "one_thread": False, "order": order, "convolution": True}
-        product = lw.emit(Op.GEMM, inputs, meta, **attrs)
+        product = lw.emit(Op.GEMM, inputs, meta, images=n if nchw else 1, **attrs)
     return lw.view(product, lambda t: t.view(out.shape) if nchw else t.view(n, h, wd, oc).permute(0, 3, 1, 2))
 
 
@@ -188,11 +190,17 @@ def _pointwise_order(
         return gemmkernel.order_of(
             eager.permute(0, 2, 3, 1).reshape(-1, oc), x.permute(0, 2, 3, 1).reshape(-1, ic), w2, b, True
         )
-    eager, x2 = eager.view(oc, h * w), x.view(ic, h * w)
-    mkl = torch.mm(w2, x2) if b is None else torch.addmm(b.view(oc, 1), w2, x2)
-    if jit.same_bits(mkl, eager, nan_payloads=False):
+    eager, x = eager.view(n, oc, h * w), x.view(n, ic, h * w)
+    mkl = torch.mm(w2, x[0]) if b is None else torch.addmm(b.view(oc, 1), w2, x[0])
+    if n == 1 and jit.same_bits(mkl, eager[0], nan_payloads=False):  # (several images: oneDNN's orders only)
         return MKL
-    return gemmkernel.order_of(eager, w2, x2, b, False)
+    order = gemmkernel.order_of(eager[0], w2, x[0], b, False)  # then the same on every image
+
+    def same(i: int) -> bool:
+        ours = gemmkernel.gemm(w2, x[i], b, chunk=order[1], seeded=order[0])
+        return jit.same_bits(ours, eager[i], nan_payloads=False)
+
+    return order if order is not None and all(same(i) for i in range(1, n)) else None
 
 
 def _plain(layer: Any) -> bool:
