@@ -1,8 +1,10 @@
-"""Convolution rows, and fast mode's fusions into its packed oneDNN calls. Exact mode calls
-ATen's convolution (oneDNN's, whose bits braze cannot reproduce); fast mode calls oneDNN's on a
-packed weight (fast.PackedConv), folds an eval BatchNorm that follows it into that call, and
-makes an activation after a packed convolution or linear the call's post-op. A 1 x 1
-convolution of channels-last rows is a GEMM in fast mode."""
+"""Convolution rows, and fast mode's fusions into its packed oneDNN calls. Exact mode computes a
+1 x 1 convolution as braze's GEMM kernel and a depthwise one of channels-last pixels as
+directconv's, each in the order ATen's path takes at its shape (found by a probe, docs/aten-
+bits.md), and calls ATen's convolution for the others (oneDNN's, whose bits braze does not
+reproduce); fast mode calls oneDNN's on a packed weight (fast.PackedConv), folds an eval
+BatchNorm that follows it into that call, and makes an activation after a packed convolution or
+linear the call's post-op. A 1 x 1 convolution of channels-last rows is a GEMM in fast mode."""
 
 from __future__ import annotations
 
@@ -138,12 +140,12 @@ def depthwise_same(shape: tuple[int, ...], bias: bool, kernel: tuple, stride: tu
     channels-last pixels of this shape (random values, NaN, infinities, -0, a denormal). Once per
     process, shape, window, thread count and oneDNN flag."""
     key = (shape, bias, tuple(kernel), tuple(stride), tuple(padding))
-    return _depthwise_same(*key, jit.mkl_threads(), torch.backends.mkldnn.enabled)
+    return _depthwise_same(*key, (jit.mkl_threads(), torch.get_num_threads()), torch.backends.mkldnn.enabled)
 
 
 @functools.cache
 def _depthwise_same(
-    shape: tuple, bias: bool, kernel: tuple, stride: tuple, padding: tuple, threads: int, mkldnn: bool
+    shape: tuple, bias: bool, kernel: tuple, stride: tuple, padding: tuple, threads: tuple[int, int], mkldnn: bool
 ) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = _probe_input(shape, gen).contiguous(memory_format=torch.channels_last)
@@ -170,12 +172,13 @@ def pointwise_order(n: int, oc: int, ic: int, h: int, w: int, bias: bool, nchw: 
     sizes, the thread count and whether oneDNN is enabled, all in the key): MKL, a (seeded,
     chunk) order of gemmkernel's, or None where none gives its bits (on random values and
     NaN, infinities, -0 and a denormal)."""
-    return _pointwise_order(n, oc, ic, h, w, bias, nchw, jit.mkl_threads(), torch.backends.mkldnn.enabled)
+    threads = (jit.mkl_threads(), torch.get_num_threads())  # (MKL's and ATen's: torch sets both)
+    return _pointwise_order(n, oc, ic, h, w, bias, nchw, threads, torch.backends.mkldnn.enabled)
 
 
 @functools.cache
 def _pointwise_order(
-    n: int, oc: int, ic: int, h: int, w: int, bias: bool, nchw: bool, threads: int, mkldnn: bool
+    n: int, oc: int, ic: int, h: int, w: int, bias: bool, nchw: bool, threads: tuple[int, int], mkldnn: bool
 ) -> tuple[bool, int] | None:
     if ic < gemmkernel.MIN_K:
         return None
