@@ -135,8 +135,9 @@ def _kernel(name: str, module: ll.Module) -> None:
 
 
 def _group(b: ll.IRBuilder, k: _Call, n: int, first: ll.Value) -> list[ll.Value]:
-    """The group's filters, tap by tap, into k.filters and its bias into k.seeds (each vector
-    masked to the channels that exist); the masks."""
+    """The group's filters, tap by tap, into k.filters, and its bias into k.seeds (where the sums
+    start from it, has_bias 1; else zeros) and k.addends (added to them, has_bias 2), each vector
+    masked to the channels that exist; the masks."""
     taps = k.taps
     some = splat(b, b.icmp_signed("!=", k.has_bias, I64(0)), LANES)
     seeded = b.icmp_signed("==", k.has_bias, I64(1))
