@@ -398,6 +398,9 @@ def test_a_convolution_reads_its_layers_weights_as_they_are_at_each_call():
 POINTWISE = [
     (640, 160, 14, 14, 3, False),
     (17, 33, 9, 11, 2, False),
+    (48, 12, 1, 1, 2, False),  # squeeze-excite's: one column per image
+    (48, 12, 1, 1, 1, False),
+    (33, 17, 1, 3, 2, False),
     (40, 160, 56, 56, 1, False),
     (640, 160, 14, 14, 1, False),
     (1280, 320, 7, 7, 1, False),
@@ -424,11 +427,11 @@ def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bi
     x = special(n, cin, h, w).contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    # (ATen's slow_conv2d of several images, on one thread with a bias: MKL's order per image,
-    # which braze leaves to ATen; the probe finds none of its orders)
-    atens = int(not last and n > 1 and bias and threads == 1)
+    # (ATen's slow_conv2d of several images, on one thread: MKL's order per image, which braze
+    # leaves to ATen where its probe finds none of its orders, as with a bias, or one column)
+    mkls = not last and n > 1 and threads == 1
     try:
-        compiled = check_model(model, (x,), kernels=2 if last else 1, externs=atens)
+        compiled = check_model(model, (x,), kernels=None if mkls else 2 if last else 1, externs=None if mkls else 0)
         _same_bits(compiled, model, x)
         torch.set_num_threads(3 - threads)  # another path, another order: compiled again
         _same_bits(compiled, model, x)

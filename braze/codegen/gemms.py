@@ -123,6 +123,7 @@ class GemmEmitter:
         its panels split: each core then reads the rows of the input the other core wrote)."""
         from .. import gemmkernel  # built on this module's helpers
 
+        assert blas["swap"] and not blas["tb"], blas  # the kernel's form (lowering.gemm.own_kernel)
         name = gemmkernel.NAME_NK if blas["ta"] else gemmkernel.NAME  # linear's [N, K] weight, or [K, N]
         seeded, chunk = order or (False, 0)
         if seeded:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
 from .. import config, directconv, fast, gemmkernel, jit
-from ..ir import Op, TensorMeta
+from ..ir import Op
 from . import gemm
 from .core import Lowerer, NotNative, Sym, is_float32, no_out, plain_layer, to_meta
 
@@ -109,9 +109,16 @@ def _exact_pointwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, out: Any) -> Sy
         bias = None if b is None else lw.view(b, lambda t: t.view(oc, 1))
         product = gemm._gemm(lw, *operands, bias, 1.0, convolution=True)  # (the entry checks oneDNN's flag)
     else:
-        # (BLAS's arguments of one image's product: codegen runs each image's rows in turn)
-        one = [torch.empty(oc, h * wd, device="meta"), operands[0].meta, torch.empty(ic, h * wd, device="meta")]
-        blas = gemm.blas_args(*(TensorMeta.of(t) for t in (one if nchw else (meta, *(o.meta for o in operands)))))
+        # The kernel's arguments as BLAS's swapped call names them (m columns, n rows, k depth; an
+        # NCHW image's [OC, H*W] product of its [IC, H*W] pixels, codegen running each image's
+        # rows in turn; channels-last rows by linear's [OC, IC] weight), whatever BLAS would take
+        # for degenerate sizes (a 1 x 1 image's one column)
+        pixels = h * wd
+        blas = {"swap": True, "tb": False, "k": ic, "ldb": ic}
+        if nchw:
+            blas |= {"ta": False, "m": pixels, "n": oc, "lda": pixels, "ldc": pixels}
+        else:
+            blas |= {"ta": True, "m": oc, "n": n * pixels, "lda": ic, "ldc": oc}
         inputs = (operands[0].name, operands[1].name, None if b is None else b.name)
         attrs = {"beta": 0.0, "blas": blas, "own_kernel": 1, "one_thread": False, "order": order, "convolution": True}
         product = lw.emit(Op.GEMM, inputs, meta, images=n if nchw else 1, **attrs)
