@@ -112,8 +112,8 @@ class GemmEmitter:
         1 x 1 convolution of oneDNN's (gemmkernel.order_of): K in blocks of `chunk`, the sums
         from the bias where seeded; with `images`, NCHW images' products one under another (rows
         split across all of them, each image's range its own call). An epilogue (_epilogue) runs
-        on each thread's rows right after them, while they are in its cache, where rows are split and its loop
-        follows them; otherwise as a pass of its own after the product.
+        on each thread's rows right after them, while they are in its cache, where rows are split
+        and its loop follows them; otherwise as a pass of its own after the product.
 
         Each thread reads all of what it does not split: the weight where rows are split
         (and packs all of it, if [N, K]), the input where columns are. So a [N, K] weight's
