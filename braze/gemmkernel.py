@@ -124,19 +124,28 @@ def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     rows = [at(x, b.mul(lda, I64(r))) for r in range(mr)]
     masks = [lanes_below(b, b.sub(ncols, I64(16 * h))) for h in range(2)]
-    first = [ll.Constant(LANES16, [0.0] * 16)] * (2 * mr)
+    # The accumulators' start: 0, or the seed, read only as its form says (a row's value, or the
+    # row of columns: read as the other, either could run past the seed's end)
+    zero, pre = ll.Constant(LANES16, [0.0] * 16), b.block
     with b.if_then(b.icmp_unsigned("!=", seed, ll.Constant(PTR, None))):
-        columns = [masked_load(b, at(seed, I64(16 * h)), masks[h]) for h in range(2)]
-        own = [splat(b, b.load(at(seed, b.mul(I64(r), per_row)), typ=F32), 16) for r in range(mr)]
-        chosen = [b.select(b.icmp_signed("!=", per_row, I64(0)), own[i // 2], columns[i % 2]) for i in range(2 * mr)]
+        with b.if_else(b.icmp_signed("!=", per_row, I64(0))) as (rows_, columns_):
+            with rows_:
+                own = [splat(b, b.load(at(seed, I64(r)), typ=F32), 16) for r in range(mr)]
+                from_rows = b.block
+            with columns_:
+                lanes = [masked_load(b, at(seed, I64(16 * h)), masks[h]) for h in range(2)]
+                from_columns = b.block
+        seeds = []
+        for i in range(2 * mr):
+            seeds.append(b.phi(LANES16))
+            seeds[-1].add_incoming(own[i // 2], from_rows)
+            seeds[-1].add_incoming(lanes[i % 2], from_columns)
         seeded = b.block
-    entry = b.function.basic_blocks[0]
-    starts = []
-    for z, v in zip(first, chosen):
-        phi = b.phi(LANES16)
-        phi.add_incoming(z, entry)
-        phi.add_incoming(v, seeded)
-        starts.append(phi)
+    first = []
+    for v in seeds:
+        first.append(b.phi(LANES16))
+        first[-1].add_incoming(zero, pre)
+        first[-1].add_incoming(v, seeded)
 
     def step(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
         base = b.mul(kk, ldp)
@@ -148,7 +157,7 @@ def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False
                 acc[2 * r + h] = fma(b, a, w[h], acc[2 * r + h])
         return acc
 
-    acc = carried(b, I64(0), k, 1, starts, step)
+    acc = carried(b, I64(0), k, 1, first, step)
     with b.if_else(b.icmp_unsigned("==", init, ll.Constant(PTR, None))) as (alone, added):
         with alone:
             for r in range(mr):
