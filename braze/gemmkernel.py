@@ -74,6 +74,8 @@ KC = 192  # MKL's block of K
 MIN_ROWS = 16  # per MKL thread (MKL gives chunks of fewer than 4 rows to another kernel)
 MIN_N = 16  # below 12 columns MKL takes another path
 MIN_K = 2  # with K = 1 MKL's output is the product itself: -0 where the kernel's 0 + -0 gives +0
+# Values the probes put first in an operand: NaN, infinities, -0, a denormal, a large one
+SPECIAL = (float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38)
 
 
 def carried(
@@ -408,7 +410,7 @@ def _same(shapes: tuple[tuple[int, int, int], ...], linear: bool, threads: int) 
     for m, k, n in shapes:
         x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen) * 0.1
         bias = torch.randn(n, generator=gen)
-        x[0, : min(k, 6)] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38])[: min(k, 6)]
+        x[0, : min(k, len(SPECIAL))] = torch.tensor(SPECIAL[: min(k, len(SPECIAL))])
         x[1] = -0.0
         if linear:  # linear's weight: [N, K], read along K
             w = w.t().contiguous()

@@ -393,6 +393,18 @@ def test_a_convolution_reads_its_layers_weights_as_they_are_at_each_call():
         check_model(model, (x,), compiled=compiled)
 
 
+def _same_bits_across_settings(compiled, model, x, threads) -> None:
+    """Eager's bits as compiled, at the other thread count (another path, another order: compiled
+    again), with oneDNN off (ATen's own kernels), and with it on again (the last program was
+    compiled with it off: its entry must refuse the call)."""
+    _same_bits(compiled, model, x)
+    threads(3 - torch.get_num_threads())
+    _same_bits(compiled, model, x)
+    with torch.backends.mkldnn.flags(enabled=False):
+        _same_bits(compiled, model, x)
+    _same_bits(compiled, model, x)
+
+
 # (in, out channels, height, width, batch, channels-last): K in one block, in MKL's, in oneDNN's
 # blocks of 80 and 256, odd sizes; NCHW images alone and in batches, channels-last pixels
 POINTWISE = [
@@ -413,10 +425,10 @@ POINTWISE = [
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", POINTWISE, ids=str)
-def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bias, threads):
+def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bias, count, threads):
     """Exact mode: a 1 x 1 convolution is braze's GEMM kernel in the order ATen's path takes at
     that shape and thread count (MKL's, or one of oneDNN's a probe found), the GELU after an
     NCHW one its epilogue (channels-last: a loop of its own, as the product's rows are pixels
@@ -425,21 +437,12 @@ def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bi
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=bias), nn.GELU()).eval()
     x = special(n, cin, h, w).contiguous(memory_format=torch.channels_last if last else torch.contiguous_format)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    threads(count)
     # (ATen's slow_conv2d of several images, on one thread: MKL's order per image, which braze
     # leaves to ATen where its probe finds none of its orders, as with a bias, or one column)
-    mkls = not last and n > 1 and threads == 1
-    try:
-        compiled = check_model(model, (x,), kernels=None if mkls else 2 if last else 1, externs=None if mkls else 0)
-        _same_bits(compiled, model, x)
-        torch.set_num_threads(3 - threads)  # another path, another order: compiled again
-        _same_bits(compiled, model, x)
-        with torch.backends.mkldnn.flags(enabled=False):  # ATen's own slow_conv2d (and GELU)
-            _same_bits(compiled, model, x)
-        _same_bits(compiled, model, x)  # (the last program was compiled with oneDNN off)
-    finally:
-        torch.set_num_threads(before)
+    mkls = not last and n > 1 and count == 1
+    compiled = check_model(model, (x,), kernels=None if mkls else 2 if last else 1, externs=None if mkls else 0)
+    _same_bits_across_settings(compiled, model, x, threads)
 
 
 def test_a_1x1_convolution_braze_has_no_order_for_stays_atens_call(monkeypatch):
@@ -481,10 +484,10 @@ DEPTHWISE = [
 ]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", DEPTHWISE, ids=str)
-def test_a_depthwise_convolution_of_channels_last_pixels_is_native_in_atens_order(shape, bias, threads):
+def test_a_depthwise_convolution_of_channels_last_pixels_is_native_in_atens_order(shape, bias, count, threads):
     """Exact mode: oneDNN's depthwise convolution of channels-last pixels sums each output's taps
     inside the image in order and adds the bias last: directconv's kernel so, no ATen call,
     eager's bits (special values, signed zeros), on other thread counts and with oneDNN off."""
@@ -492,18 +495,9 @@ def test_a_depthwise_convolution_of_channels_last_pixels_is_native_in_atens_orde
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(c, c, k, stride=s, padding=k // 2, groups=c, bias=bias), nn.ReLU()).eval()
     x = special(n, c, h, w).contiguous(memory_format=torch.channels_last)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        compiled = check_model(model, (x,), externs=0)
-        _same_bits(compiled, model, x)
-        torch.set_num_threads(3 - threads)
-        _same_bits(compiled, model, x)
-        with torch.backends.mkldnn.flags(enabled=False):  # ATen's own kernel: its order, or its call
-            _same_bits(compiled, model, x)
-        _same_bits(compiled, model, x)
-    finally:
-        torch.set_num_threads(before)
+    threads(count)
+    compiled = check_model(model, (x,), externs=0)
+    _same_bits_across_settings(compiled, model, x, threads)
 
 
 def test_depthwise_convolutions_braze_leaves_to_aten(monkeypatch):

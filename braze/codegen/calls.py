@@ -119,6 +119,11 @@ def _interpolate_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str
     return row, (x, size, bool(g.get("align_corners") or False), scale), {}
 
 
+def _as_given(row: Row, args: tuple, kwargs: dict) -> Adapted:
+    """A call whose arguments are its op's, one for one."""
+    return row, args, kwargs
+
+
 # A Python call whose arguments are not the op's schema's, one for one: how they become it (and,
 # for interpolate, which op it is).
 ADAPTED = {
@@ -169,11 +174,7 @@ def plan(n: Node, given: frozenset[str] = frozenset()) -> Call | str:
         return "a memoized, mutating or aliasing call"
     if not isinstance(n.meta, TensorMeta) or n.attrs.get("store") != "extern":
         return "its result is not one tensor of its own"
-    adapted = (
-        ADAPTED[fn](DISPATCHED[fn], n.attrs["args"], n.attrs["kwargs"])
-        if fn in ADAPTED
-        else (DISPATCHED[fn], n.attrs["args"], n.attrs["kwargs"])
-    )
+    adapted = ADAPTED.get(fn, _as_given)(DISPATCHED[fn], n.attrs["args"], n.attrs["kwargs"])
     if isinstance(adapted, str):
         return adapted
     (op, overload), positional, keywords = adapted

@@ -81,16 +81,24 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
 
 
+def _exact_input(x: Any, out: Any) -> str | None:
+    """Why exact mode's native convolutions do not take this one, whatever its kind, or None."""
+    if not config.own_gemm:
+        return _EXACT + "; a generic program's sizes may change the path it takes"
+    if not (isinstance(x, Sym) and is_float32(x) and x.meta.dim() == 4 and isinstance(out, torch.Tensor)):
+        return _EXACT
+    return None
+
+
 def _exact_pointwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, out: Any) -> Sym | str:
     """Exact mode: a 1 x 1 convolution as the product ATen's path computes, where a probe at its
     shape found which (pointwise_order): of NCHW images, W [OC, IC] @ X [IC, H*W] (+ the bias
     per row) per image, MKL's (ATen's slow_conv2d: the bias copied in, then sgemm_; for one image)
     or oneDNN's; of channels-last pixels, rows [N*H*W, IC] @ W.T (+ the bias row), oneDNN's.
     oneDNN's orders are gemmkernel's (gemmkernel.order_of). Else why it stays ATen's call."""
-    if not config.own_gemm:
-        return _EXACT + "; a generic program's sizes may change the path it takes"
-    if not (isinstance(x, Sym) and is_float32(x) and x.meta.dim() == 4 and isinstance(out, torch.Tensor)):
-        return _EXACT
+    refused = _exact_input(x, out)
+    if refused:
+        return refused
     nchw = x.meta.is_contiguous() and out.is_contiguous()
     if not (nchw or pixel_rows(x.meta, out)) or not w.meta.is_contiguous():
         return _EXACT + "; a 1 x 1 one is native for contiguous NCHW images or channels-last pixels"
@@ -129,10 +137,9 @@ def _exact_depthwise(lw: Lowerer, x: Any, w: Sym, b: Sym | None, layer: torch.nn
     """Exact mode: a depthwise convolution of channels-last pixels as directconv's kernel with the
     bias added to the sums (oneDNN's order there: each output an FMA chain over the taps inside
     the image, in order), where a probe at its shape agrees (depthwise_same). Else why not."""
-    if not config.own_gemm:
-        return _EXACT + "; a generic program's sizes may change the path it takes"
-    if not (isinstance(x, Sym) and is_float32(x) and x.meta.dim() == 4 and isinstance(out, torch.Tensor)):
-        return _EXACT
+    refused = _exact_input(x, out)
+    if refused:
+        return refused
     if not pixel_rows(x.meta, out) or not w.meta.is_contiguous():
         return _EXACT + "; a depthwise one is native on channels-last pixels"
     window = {"kernel": layer.kernel_size, "stride": layer.stride, "padding": layer.padding}
@@ -146,8 +153,7 @@ def depthwise_same(shape: tuple[int, ...], bias: bool, kernel: tuple, stride: tu
     """Whether directconv's depthwise kernel, the bias added last, gives eager's bits on
     channels-last pixels of this shape (random values, NaN, infinities, -0, a denormal). Once per
     process, shape, window, thread count and oneDNN flag."""
-    key = (shape, bias, tuple(kernel), tuple(stride), tuple(padding))
-    return _depthwise_same(*key, (jit.mkl_threads(), torch.get_num_threads()), torch.backends.mkldnn.enabled)
+    return _depthwise_same(shape, bias, tuple(kernel), tuple(stride), tuple(padding), *_settings())
 
 
 @functools.cache
@@ -164,10 +170,10 @@ def _depthwise_same(
 
 
 def _probe_input(shape: tuple, gen: torch.Generator) -> torch.Tensor:
-    """Random values of `shape`, the first ones NaN, infinities, -0, a denormal and a large one."""
+    """Random values of `shape`, the first ones gemmkernel's special values (its probe's)."""
     x = torch.randn(*shape, generator=gen)
-    special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf"), 3e38])
-    x.view(-1)[: min(x.numel(), 6)] = special[: min(x.numel(), 6)]
+    count = min(x.numel(), len(gemmkernel.SPECIAL))
+    x.view(-1)[:count] = torch.tensor(gemmkernel.SPECIAL[:count])
     return x
 
 
@@ -179,8 +185,13 @@ def pointwise_order(n: int, oc: int, ic: int, h: int, w: int, bias: bool, nchw: 
     sizes, the thread count and whether oneDNN is enabled, all in the key): MKL, a (seeded,
     chunk) order of gemmkernel's, or None where none gives its bits (on random values and
     NaN, infinities, -0 and a denormal)."""
-    threads = (jit.mkl_threads(), torch.get_num_threads())  # (MKL's and ATen's: torch sets both)
-    return _pointwise_order(n, oc, ic, h, w, bias, nchw, threads, torch.backends.mkldnn.enabled)
+    return _pointwise_order(n, oc, ic, h, w, bias, nchw, *_settings())
+
+
+def _settings() -> tuple[tuple[int, int], bool]:
+    """What ATen's path for a convolution depends on beside its shape, the probes' cache key: the
+    thread counts (MKL's and ATen's: torch sets both) and whether oneDNN is enabled."""
+    return (jit.mkl_threads(), torch.get_num_threads()), torch.backends.mkldnn.enabled
 
 
 @functools.cache
@@ -201,9 +212,10 @@ def _pointwise_order(
             eager.permute(0, 2, 3, 1).reshape(-1, oc), x.permute(0, 2, 3, 1).reshape(-1, ic), w2, b, True
         )
     eager, x = eager.view(n, oc, h * w), x.view(n, ic, h * w)
-    mkl = torch.mm(w2, x[0]) if b is None else torch.addmm(b.view(oc, 1), w2, x[0])
-    if n == 1 and jit.same_bits(mkl, eager[0], nan_payloads=False):  # (several images: oneDNN's orders only)
-        return MKL
+    if n == 1:  # (several images: oneDNN's orders only)
+        mkl = torch.mm(w2, x[0]) if b is None else torch.addmm(b.view(oc, 1), w2, x[0])
+        if jit.same_bits(mkl, eager[0], nan_payloads=False):
+            return MKL
     order = gemmkernel.order_of(eager[0], w2, x[0], b, False)  # then the same on every image
 
     def same(i: int) -> bool:
