@@ -18,7 +18,8 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              exact mode packs it on every call; one packed again more than REPACKS times is
              read in place from then on
 
-An activation after a packed call (relu, gelu, silu, sigmoid) becomes oneDNN's post-op of the call.
+An activation after a packed call (gelu, silu, sigmoid) becomes oneDNN's post-op of the call; ReLU
+does not (oneDNN's makes NaN 0, where eager's keeps it), but is part of winograd.py's kernel.
 
 A packed weight is made again whenever a tensor it was made from is another tensor, moved, or
 changed in place (`_version`): never a stale answer. (A change through `.data`, which bumps
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import gemmkernel, jit
+from . import gemmkernel, jit, winograd
 
 MIN_SPEEDUP = 1.05  # what the packed GEMM must win by to be chosen (timing noise)
 # What an ATen call inside a program costs beyond a native GEMM's sgemm_ call: its line of the
@@ -76,6 +77,11 @@ class Packed:
 
     def _pack(self, *tensors: Any) -> tuple[Any, ...]:
         raise NotImplementedError
+
+    def takes(self, attr: str) -> bool:
+        """Whether the activation `attr` can become part of the call: oneDNN's post-ops but ReLU,
+        which makes NaN 0 (a convolution's and a linear's, measured), where eager's keeps it."""
+        return attr != "relu"
 
     def generic_key(self) -> tuple[Any, ...]:
         """What a program's result depends on, not the sizes the weight is packed for: lowerings at
@@ -131,16 +137,43 @@ class PackedConv(Packed):
         return torch.ops.mkldnn._convolution_pointwise(x, w, b, *args)
 
     def _pack(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        w = w.detach()
-        if bn:
-            mean, var, gamma, beta = (t.detach().double() for t in bn)
-            scale = gamma / torch.sqrt(var + self.eps)
-            shift = beta - mean * scale + (0.0 if b is None else b.detach().double() * scale)
-            w, b = (w.double() * scale.view(-1, *[1] * (w.dim() - 1))).float(), shift.float()
-        else:
-            b = None if b is None else b.detach()
+        w, b = self._folded(w, b, *bn)
         args = (self.padding, self.stride, self.dilation, self.groups, self.size)
         return torch.ops.mkldnn._reorder_convolution_weight(w.contiguous(), *args), b
+
+    def _folded(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The weight and bias with the batch_norm after the convolution (if any) folded in."""
+        w = w.detach()
+        if not bn:
+            return w, None if b is None else b.detach()
+        mean, var, gamma, beta = (t.detach().double() for t in bn)
+        scale = gamma / torch.sqrt(var + self.eps)
+        shift = beta - mean * scale + (0.0 if b is None else b.detach().double() * scale)
+        return (w.double() * scale.view(-1, *[1] * (w.dim() - 1))).float(), shift.float()
+
+
+class PackedWinograd(PackedConv):
+    """A 3 x 3 convolution (stride 1, one group) of channels-last pixels as winograd.py's kernel,
+    on the weight (BatchNorm folded in) transformed and packed once; ReLU its one post-op."""
+
+    __name__ = "winograd_conv2d"
+
+    def takes(self, attr: str) -> bool:
+        return attr == "relu"
+
+    def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
+        u, b, w = self._packed(params)
+        relu = self.post_op[0] == "relu"
+        y = winograd.conv2d(x, u, b, self.padding, relu)
+        if y is None:  # an output not finite: where eager's would be, the direct way finds
+            y = torch.nn.functional.conv2d(x, w, b, padding=self.padding)
+            y = (torch.relu(y) if relu else y).contiguous(memory_format=torch.channels_last)
+        return y
+
+    def _pack(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w, b = self._folded(w, b, *bn)
+        b = torch.zeros(w.shape[0]) if b is None else b.float().contiguous()
+        return winograd.transformed(w), b, w
 
 
 REPACKS = 8  # a GemmPack packed again more often keeps changing: its weight is read in place

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import braze
-from braze import fast
+from braze import fast, winograd
 from braze.accuracy import measure
 from braze.ir import Op
 
@@ -88,14 +88,14 @@ def test_activations_after_packed_linears_are_their_post_ops(packing, act, attr)
 
 
 class _Functional(nn.Module):
-    """linear -> F.relu(..., inplace=...) -> linear, as TorchDynamo's graphs of nn.ReLU read."""
+    """linear -> F.silu(..., inplace=...) -> linear, as TorchDynamo's graphs of nn.SiLU read."""
 
     def __init__(self, inplace: bool) -> None:
         super().__init__()
         self.a, self.b, self.inplace = nn.Linear(64, 96), nn.Linear(96, 8), inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.nn.functional.relu(self.a(x), inplace=self.inplace))
+        return self.b(torch.nn.functional.silu(self.a(x), inplace=self.inplace))
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -107,7 +107,21 @@ def test_an_activation_given_inplace_is_a_post_op_too(packing, inplace):
     with torch.no_grad():
         assert _within(compiled, model, x)
     whys = [why for p in compiled.programs() for _, why in p.externs]
-    assert len(whys) == 2 and "+ relu as its post-op" in whys[0], whys
+    assert len(whys) == 2 and "+ swish as its post-op" in whys[0], whys
+
+
+@pytest.mark.parametrize("layer", [nn.Linear(64, 96), nn.Conv2d(64, 96, 1, padding=1)], ids=["linear", "conv"])
+def test_relu_stays_apart_from_onednns_calls_which_make_nan_0(packing, layer):
+    """oneDNN's ReLU post-op gives 0 for NaN (measured), eager's ReLU NaN: ReLU is braze's loop."""
+    packing(True)
+    model = nn.Sequential(layer, nn.ReLU()).eval()
+    x = torch.randn(2, 64, 3, 3) if isinstance(layer, nn.Conv2d) else torch.randn(5, 64)
+    x.view(-1)[7] = float("nan")
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        assert _within(compiled, model, x)
+    whys = [why for p in compiled.programs() for _, why in p.externs]
+    assert len(whys) == 1 and "oneDNN" in whys[0] and "post-op" not in whys[0], whys
 
 
 @torch.no_grad()
@@ -332,7 +346,9 @@ def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape)
     with torch.no_grad():
         compiled(x)
     folded = _folded(compiled)
-    assert len(folded) == 3 and all("batch_norm folded" in w and "relu as its post-op" in w for w in folded), folded
+    assert len(folded) == 3 and all("batch_norm folded" in w for w in folded), folded
+    # the last one is Winograd's, with the ReLU; oneDNN's ReLU would make NaN 0
+    assert ["relu as its post-op" in w for w in folded] == [False, False, True], folded
     report = braze.check_accuracy(model, x)
     assert report.ok, str(report)
 
@@ -563,6 +579,130 @@ class _ConvThenView(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
         return self.head(y.view(y.size(0), -1))  # a view eager's NCHW layout allows
+
+
+def _conv_relu(x, w, b, padding, relu):
+    y = torch.nn.functional.conv2d(x, w, b, padding=padding)
+    return torch.relu(y) if relu else y
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize(
+    "shape, out, padding",
+    [
+        ((1, 16, 1, 1), 16, 1),
+        ((2, 17, 7, 9), 33, 1),
+        ((1, 33, 15, 16), 17, 0),
+        ((3, 16, 17, 3), 31, 1),
+        ((1, 64, 33, 33), 64, 1),
+        ((1, 7, 4, 4), 257, 1),
+        ((0, 16, 5, 5), 16, 1),
+    ],
+    ids=str,
+)
+def test_the_winograd_kernel_keeps_the_contract(shape, out, padding, relu, n, threads):
+    """winograd.py's F(2 x 2, 3 x 3) against eager's direct convolution and a float64 one: odd
+    channels and sizes (a tile's outputs past the image's edge not written), padding or none,
+    its ReLU, one and two threads; the result channels-last."""
+    threads(n)
+    torch.manual_seed(0)
+    x = torch.randn(*shape).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(out, shape[1], 3, 3), torch.randn(out)
+    y = winograd.conv2d(x, winograd.transformed(w), b, [padding] * 2, relu)
+    ref = _conv_relu(x, w, b, padding, relu)
+    assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last)
+    assert measure(y, ref, _conv_relu(x.double(), w.double(), b.double(), padding, relu)).ok
+
+
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf"), 3e38])
+def test_the_winograd_kernel_gives_up_where_an_output_is_not_finite(special):
+    """An infinity or NaN in a patch reaches the tile's four outputs (inf - inf: NaN where the
+    direct sum gives an infinity); so does a sum's overflow: the kernel says so (None)."""
+    x = torch.randn(1, 16, 6, 6).contiguous(memory_format=torch.channels_last)
+    x[0, 3, 2, 4] = special
+    w = torch.randn(16, 16, 3, 3) * (1e3 if special == 3e38 else 1.0)
+    u, b = winograd.transformed(w), torch.zeros(16)
+    assert winograd.conv2d(x, u, b, [1, 1], True) is None
+    x[0, 3, 2, 4] = 1.0
+    assert winograd.conv2d(x, u, b, [1, 1], True) is not None
+
+
+def _resnet_block() -> nn.Module:
+    """A stem (oneDNN's: its input is NCHW), then a residual block of 3 x 3 convolutions of
+    channels-last pixels (winograd.py's) with BatchNorm and ReLU."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(8, 24, 3, padding=1), nn.BatchNorm2d(24), nn.ReLU())
+            self.conv1, self.bn1 = nn.Conv2d(24, 24, 3, padding=1, bias=False), nn.BatchNorm2d(24)
+            self.conv2, self.bn2 = nn.Conv2d(24, 24, 3, padding=1, bias=False), nn.BatchNorm2d(24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+    model = Block().eval()
+    with torch.no_grad():
+        for bn in (model.stem[1], model.bn1, model.bn2):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _winograds(compiled) -> list[str]:
+    return [why for p in compiled.programs() for label, why in p.externs if "Winograd" in label]
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("shape", [(1, 8, 16, 16), (2, 8, 15, 9)], ids=str)
+def test_convolutions_of_channels_last_pixels_are_winograds_within_the_contract(scale, shape):
+    model = _resnet_block()
+    x = torch.randn(*shape) * scale
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    folded = _winograds(compiled)
+    assert len(folded) == 2 and all("batch_norm folded" in w for w in folded), folded
+    assert sum("relu as its post-op" in w for w in folded) == 1  # the other's is after the residual
+    report = braze.check_accuracy(model, x)
+    assert report.ok, str(report)
+
+
+@torch.no_grad()
+def test_winograds_special_values_and_changed_weights_are_eagers():
+    """NaN and infinities where eager has them (the kernel gives up, the direct convolution on
+    the folded weight answers); a weight or statistic changed in place is transformed again."""
+    model = _resnet_block()
+    x = torch.randn(2, 8, 12, 12)
+    compiled = braze.compile(model, mode="fast")
+    assert _within(compiled, model, x)
+    x[0, 1, 5, 5], x[1, 2, 0, 0], x[1, 3, 7, 2] = float("nan"), float("inf"), -float("inf")
+    assert _within(compiled, model, x)
+    x = torch.randn(2, 8, 12, 12)
+    model.conv1.weight.mul_(-2.0)
+    model.bn2.running_var.mul_(4.0)
+    assert _within(compiled, model, x)
+    assert len(_winograds(compiled)) == 2 and len(compiled.programs()) == 1
+
+
+@pytest.mark.parametrize(
+    "channels, kw",
+    [(8, {}), (16, {"stride": 2}), (16, {"dilation": 2, "padding": 2}), (16, {"groups": 2}), (16, {"kernel_size": 5})],
+    ids=str,
+)
+def test_other_convolutions_stay_onednn(channels, kw):
+    torch.manual_seed(0)
+    stem = nn.Conv2d(8, channels, 3, padding=1)
+    model = nn.Sequential(stem, nn.ReLU(), nn.Conv2d(channels, 16, **{"kernel_size": 3, "padding": 1} | kw)).eval()
+    x = torch.randn(1, 8, 16, 16)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    assert not _winograds(compiled)
+    assert braze.check_accuracy(model, x).ok
 
 
 def test_where_fast_modes_layouts_break_the_model_exact_mode_compiles_it():

@@ -56,6 +56,8 @@ def _post_op(attr: str, algorithm: str, otherwise: Callable[..., Sym]) -> Callab
         # (in place or not: nothing else reads x, so no one sees it before the activation)
         if at is None or (set(kwargs) - {"input", "approximate", "inplace"}) or len(args) > 1:
             return otherwise(lw, fn, args, kwargs, out)
+        if not lw.nodes[at].attrs["fn"].takes(attr):
+            return otherwise(lw, fn, args, kwargs, out)
         approximate = getattr(fn, "approximate", kwargs.get("approximate", "none"))
         return conv.fuse_post_op(lw, at, attr, approximate if attr == "gelu" else algorithm)
 

@@ -1,0 +1,233 @@
+"""Fast mode's 3 x 3 convolutions (stride 1, no dilation, one group) of channels-last pixels as
+Winograd's F(2 x 2, 3 x 3): a native kernel built once per process into the JIT.
+
+    braze_winograd_conv2d(x, u, bias, y, flag, n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth)
+        y [N, OH, OW, O] = conv(x [N, H, W, C], the weight u was made from) + bias [O], relu'd
+        where `relu`; u: `transformed(weight)`, 16 panels of usize floats (gemmkernel.pack's
+        layout, depth rows each); threads: OpenMP's, each its share of the tiles; *flag set
+        where an output (before the ReLU) is not finite
+
+Why: oneDNN's direct convolution runs at the cores' peak (~210 GFLOP/s on two threads here), so
+only fewer multiplications go faster. Each 2 x 2 block of outputs (a tile) is A^T [(G g G^T) *
+(B^T d B)] A of its 4 x 4 input patch d: 16 products per channel pair where the direct form has
+36, 2.25x fewer. The 16 products are 16 GEMMs, [tiles, C] @ [C, O], braze's GEMM kernel on
+weights transformed (in float64) and packed once; the transforms of inputs and outputs are
+additions. Each thread takes `chunk` of its tiles at a time: their 16 transformed inputs and
+16 products in scratch memory of its own (aligned_alloc), then the outputs, the bias and the
+ReLU in one pass. Accuracy: the transforms' additions round where the direct sums do not (the
+weight's transform is exact to float32's rounding); fast mode's contract (accuracy.py) bounds
+it, and tests check it on models. Infinities and NaN do not keep their places: one in a patch
+reaches the tile's four outputs through the transforms, and inf - inf is NaN where the direct
+sum gives an infinity. So the kernel flags a call whose outputs are not all finite, and conv2d
+gives None: the caller computes that call the direct way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import llvmlite.ir as ll
+import torch
+
+from . import gemmkernel, jit
+from .codegen import (
+    F32,
+    I32,
+    I64,
+    LANES16,
+    PTR,
+    VOID,
+    counted_loop,
+    declared,
+    lanes_below,
+    masked_load,
+    masked_store,
+    splat,
+)
+
+NAME = "braze_winograd_conv2d"
+I16 = ll.IntType(16)
+ARGS = 13  # n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth
+LANES = 16
+# Tiles per step of a thread: their transformed inputs and products within SCRATCH bytes (L2 is
+# 1 MB), but at least MIN_CHUNK, as the step reads all of the transformed weight (4 MB at 256
+# channels in and out). Timed at ResNet-18's and cnn-small's sizes: 96 KB to 768 KB within 5%
+# of each other where the weight is small; 1.5 MB 2.2x slower at 64 channels.
+SCRATCH = 192 * 1024
+MIN_CHUNK = 24
+
+# F(2 x 2, 3 x 3) (Lavin and Gray): V = B^T d B, U = G g G^T, Y = A^T (U * V) A
+_G = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]], dtype=torch.float64)
+
+
+def transformed(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [O, C, 3, 3] as the kernel reads it: G g G^T in float64, rounded once, as 16
+    [O, C] matrices (one per product), each packed by gemmkernel.pack."""
+    o, c = weight.shape[:2]
+    u = torch.einsum("ik,ockl,jl->ijoc", _G, weight.detach().double(), _G).reshape(16, o, c).float()
+    size = gemmkernel.packed_numel(o, c)
+    out = torch.empty(16 * size)
+    for i in range(16):
+        gemmkernel.pack(u[i], out[i * size : (i + 1) * size])
+    return out
+
+
+def _input_transform(b: ll.IRBuilder, d: list[list[ll.Value]]) -> list[ll.Value]:
+    """B^T d B of a 4 x 4 patch: its rows combined, then its columns."""
+
+    def combine(v: list[ll.Value]) -> list[ll.Value]:
+        return [b.fsub(v[0], v[2]), b.fadd(v[1], v[2]), b.fsub(v[2], v[1]), b.fsub(v[1], v[3])]
+
+    rows = [combine([d[i][j] for i in range(4)]) for j in range(4)]  # rows[j][i]: column j's
+    return [v for i in range(4) for v in combine([rows[j][i] for j in range(4)])]
+
+
+def _output_transform(b: ll.IRBuilder, m: list[ll.Value]) -> list[ll.Value]:
+    """A^T m A of the 4 x 4 products: a 2 x 2 block, row by row."""
+
+    def combine(v: list[ll.Value]) -> list[ll.Value]:
+        return [b.fadd(b.fadd(v[0], v[1]), v[2]), b.fsub(b.fsub(v[1], v[2]), v[3])]
+
+    cols = [combine([m[4 * i + j] for i in range(4)]) for j in range(4)]  # cols[j][r]
+    return [v for r in range(2) for v in combine([cols[j][r] for j in range(4)])]
+
+
+def _kernel(module: ll.Module) -> None:
+    gemm = declared(module, gemmkernel.NAME_PACKED, VOID, gemmkernel.ARGS)
+    alloc, free = declared(module, "aligned_alloc", PTR, [I64, I64]), declared(module, "free", VOID, [PTR])
+    thread_num = declared(module, "omp_get_thread_num", I32, [])
+    num_threads = declared(module, "omp_get_num_threads", I32, [])
+    max_threads = declared(module, "omp_get_max_threads", I32, [])
+    gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
+    types = [PTR] * 5 + [I64] * ARGS
+
+    team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{NAME}_team")
+    team.linkage = "internal"
+    b = ll.IRBuilder(team.append_basic_block("entry"))
+    words = [b.load(b.gep(team.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(len(types))]
+    x, u, bias, y, flag = (b.inttoptr(v, PTR) for v in words[:5])
+    n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth = words[5:]
+    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
+    th, tw = (b.sdiv(b.add(s, I64(1)), I64(2)) for s in (oh, ow))
+    plane = b.mul(th, tw)
+    tiles = b.mul(n, plane)
+    tid, nth = (b.sext(b.call(f, []), I64) for f in (thread_num, num_threads))
+    share = b.sdiv(b.add(tiles, b.sub(nth, I64(1))), nth)
+    lo = b.mul(tid, share)
+    hi = b.add(lo, share)
+    hi = b.select(b.icmp_signed("<", hi, tiles), hi, tiles)
+    with b.if_then(b.icmp_signed("<", lo, hi)):
+        vs = b.call(alloc, [I64(64), b.mul(b.mul(chunk, b.add(c, I64(LANES))), I64(16 * 4))])
+        ms = b.call(alloc, [I64(64), b.mul(b.mul(chunk, b.add(o, I64(LANES))), I64(16 * 4))])
+        none = ll.Constant(ll.VectorType(ll.IntType(1), LANES), [0] * LANES)
+        bad = b.alloca(I16)  # lanes that were not finite, of any output so far
+        b.store(I16(0), bad)
+        zero = ll.Constant(LANES16, [0.0] * LANES)
+        with counted_loop(b, lo, hi, chunk) as t0:
+            rows = b.sub(hi, t0)
+            rows = b.select(b.icmp_signed("<", rows, chunk), rows, chunk)
+
+            def tile(t: ll.Value) -> tuple[ll.Value, ll.Value, ll.Value]:
+                """(image, first input row, first input column) of tile t0 + t (its outputs' row
+                and column are 2 ty and 2 tx: the inputs' less the padding)."""
+                index = b.add(t0, t)
+                img, rest = b.sdiv(index, plane), b.srem(index, plane)
+                return img, b.mul(b.sdiv(rest, tw), I64(2)), b.mul(b.srem(rest, tw), I64(2))
+
+            with counted_loop(b, I64(0), rows) as t:
+                img, r0, c0 = tile(t)
+                with counted_loop(b, I64(0), c, LANES) as cv:
+                    mask = lanes_below(b, b.sub(c, cv))
+                    patch = []
+                    for i in range(4):
+                        row = b.sub(b.add(r0, I64(i)), ph)
+                        row_in = b.and_(b.icmp_signed(">=", row, I64(0)), b.icmp_signed("<", row, h))
+                        base = b.mul(b.add(b.mul(img, h), row), w)
+                        patch.append([])
+                        for j in range(4):
+                            col = b.sub(b.add(c0, I64(j)), pw)
+                            inside = b.and_(
+                                row_in, b.and_(b.icmp_signed(">=", col, I64(0)), b.icmp_signed("<", col, w))
+                            )
+                            ptr = at(x, b.add(b.mul(b.add(base, col), c), cv))
+                            patch[i].append(masked_load(b, ptr, b.select(inside, mask, none)))
+                    for xi, v in enumerate(_input_transform(b, patch)):
+                        masked_store(b, v, at(vs, b.add(b.mul(b.add(b.mul(I64(xi), chunk), t), c), cv)), mask)
+            null = ll.Constant(PTR, None)
+            with counted_loop(b, I64(0), I64(16)) as xi:
+                src = at(vs, b.mul(b.mul(xi, chunk), c))
+                dst = at(ms, b.mul(b.mul(xi, chunk), o))
+                b.call(gemm, [src, c, at(u, b.mul(xi, usize)), depth, dst, o, null, I64(0), o, c, I64(0), rows, I64(0)])
+            with counted_loop(b, I64(0), rows) as t:
+                img, r0, c0 = tile(t)
+                with counted_loop(b, I64(0), o, LANES) as ov:
+                    mask = lanes_below(b, b.sub(o, ov))
+                    products = [
+                        masked_load(b, at(ms, b.add(b.mul(b.add(b.mul(I64(xi), chunk), t), o), ov)), mask)
+                        for xi in range(16)
+                    ]
+                    shift = masked_load(b, at(bias, ov), mask)
+                    # ReLU: lanes below 0 (not NaN, which eager's ReLU keeps) become 0; without it, none do
+                    floor = splat(b, b.select(b.icmp_signed("!=", relu, I64(0)), F32(0.0), F32(float("-inf"))), LANES)
+                    for k, v in enumerate(_output_transform(b, products)):
+                        v = b.fadd(v, shift)
+                        diff = b.fsub(v, v)  # NaN where v is an infinity or NaN
+                        lanes = b.bitcast(b.fcmp_unordered("uno", diff, diff), I16)
+                        b.store(b.or_(b.load(bad, typ=I16), lanes), bad)
+                        v = b.select(b.fcmp_ordered("<", v, floor), zero, v)
+                        row, col = b.add(r0, I64(k // 2)), b.add(c0, I64(k % 2))
+                        inside = b.and_(b.icmp_signed("<", row, oh), b.icmp_signed("<", col, ow))
+                        ptr = at(y, b.add(b.mul(b.add(b.mul(b.add(b.mul(img, oh), row), ow), col), o), ov))
+                        masked_store(b, v, ptr, b.select(inside, mask, none))
+        with b.if_then(b.icmp_unsigned("!=", b.load(bad, typ=I16), I16(0))):
+            b.atomic_rmw("or", flag, I64(1), "monotonic")
+        b.call(free, [vs])
+        b.call(free, [ms])
+    b.ret_void()
+
+    f = ll.Function(module, ll.FunctionType(VOID, types), NAME)
+    b = ll.IRBuilder(f.append_basic_block("entry"))
+    args = b.alloca(I64, size=I64(len(types)))
+    for i, v in enumerate(f.args):
+        b.store(b.ptrtoint(v, I64) if v.type == PTR else v, b.gep(args, [I64(i)], source_etype=I64))
+    b.call(gomp, [team, args, b.trunc(b.call(max_threads, []), I32), I32(0)])
+    b.ret_void()
+
+
+def library() -> int:
+    """The kernel's address (jit.kernel: built alone when first needed, after the GEMM kernel it calls)."""
+    gemmkernel.library(gemmkernel.NAME_PACKED)
+    return jit.kernel(NAME, _kernel)
+
+
+def chunk(c: int, o: int) -> int:
+    """Tiles per step of a thread (a multiple of the GEMM kernel's 6 rows)."""
+    return max(MIN_CHUNK, SCRATCH // (16 * 4 * (c + o)) // gemmkernel.MR * gemmkernel.MR)
+
+
+@functools.cache
+def _kernel_function() -> ctypes._CFuncPtr:
+    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, *[ctypes.c_int64] * ARGS)(library())
+
+
+def conv2d(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor, padding: list[int], relu: bool) -> torch.Tensor | None:
+    """The 3 x 3 convolution of float32 x [N, C, H, W] by the weight u was made from
+    (`transformed`), plus bias [O] (contiguous: one per output channel), ReLU'd where `relu`:
+    channels-last [N, O, OH, OW]; None where an output is not finite (see above). x is read as
+    channels-last pixels (made so if it is not)."""
+    n, c, h, w = x.shape
+    o = bias.numel()
+    if x.dtype != torch.float32 or u.numel() != 16 * gemmkernel.packed_numel(o, c):
+        raise TypeError(f"winograd.conv2d: a float32 input of {c} channels for its weight, not {x.dtype} {x.shape}")
+    x = x.contiguous(memory_format=torch.channels_last)
+    oh, ow = h + 2 * padding[0] - 2, w + 2 * padding[1] - 2
+    y = torch.empty(n, o, oh, ow, memory_format=torch.channels_last)
+    if y.numel() == 0:
+        return y
+    fn = _kernel_function()
+    sizes = (n, h, w, c, o, oh, ow, *padding, int(relu), chunk(c, o))
+    packing = (gemmkernel.packed_numel(o, c), gemmkernel.packed_depth(c))
+    flag = ctypes.c_int64(0)
+    fn(x.data_ptr(), u.data_ptr(), bias.data_ptr(), y.data_ptr(), ctypes.addressof(flag), *sizes, *packing)
+    return None if flag.value else y
