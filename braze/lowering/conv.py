@@ -88,12 +88,6 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
 # winograd.py's kernel from this many input and output channels: below, its transforms cost
 # more than the multiplications it saves
 WINOGRAD_CHANNELS = 16
-# ...and where its transformed weight (16 x C x O floats, read whole by each thread) is larger
-# than this, from WINOGRAD_TILES tiles (2 x 2 outputs) up: ResNet-18's last 512 -> 512 at 7 x 7
-# (16 tiles, a 16 MB weight) ran level with oneDNN's call, 256 -> 256 at 7 x 7 (4 MB) 1.27x
-# faster, 64 -> 64 at 56 x 56 1.6-1.8x (two threads, timed alone)
-WINOGRAD_WEIGHT_BYTES = 8 << 20
-WINOGRAD_TILES = 32
 
 
 def _winograd(x: Sym, w: Sym, out: Any, stride: list[int], dilation: list[int], groups: int) -> bool:
@@ -102,10 +96,7 @@ def _winograd(x: Sym, w: Sym, out: Any, stride: list[int], dilation: list[int], 
     o, c = w.meta.shape[:2]
     if tuple(w.meta.shape[2:]) != (3, 3) or (stride, dilation, groups) != ([1, 1], [1, 1], 1):
         return False
-    if min(c, o) < WINOGRAD_CHANNELS or not x.meta.permute(0, 2, 3, 1).is_contiguous() or out.numel() == 0:
-        return False
-    tiles = out.shape[0] * -(-out.shape[2] // 2) * -(-out.shape[3] // 2)
-    return 64 * c * o <= WINOGRAD_WEIGHT_BYTES or tiles >= WINOGRAD_TILES
+    return min(c, o) >= WINOGRAD_CHANNELS and x.meta.permute(0, 2, 3, 1).is_contiguous() and out.numel() > 0
 
 
 def _exact_input(x: Any, out: Any) -> str | None:
