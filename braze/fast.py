@@ -126,9 +126,10 @@ class PackedConv(Packed):
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.size = size  # the input size oneDNN packs for (others work, maybe slower)
         self.eps: float | None = None  # batch_norm's, once one is folded in
+        self.residual = False  # a tensor added to the result is the call's last argument (Winograd's)
 
     def _config(self) -> tuple[Any, ...]:
-        return (self.padding, self.stride, self.dilation, self.groups, self.eps)
+        return (self.padding, self.stride, self.dilation, self.groups, self.eps, self.residual)
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         w, b = self._packed(params)
@@ -154,7 +155,8 @@ class PackedConv(Packed):
 
 class PackedWinograd(PackedConv):
     """A 3 x 3 convolution (stride 1, one group) of channels-last pixels as winograd.py's kernel,
-    on the weight (BatchNorm folded in) transformed and packed once; ReLU its one post-op."""
+    on the weight (BatchNorm folded in) transformed and packed once; ReLU its one post-op; a
+    tensor added to its result (a residual connection) part of the call too."""
 
     __name__ = "winograd_conv2d"
 
@@ -162,11 +164,13 @@ class PackedWinograd(PackedConv):
         return attr == "relu"
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
-        u, b, w = self._packed(params)
+        addend = params[-1] if self.residual else None
+        u, b, w = self._packed(params[:-1] if self.residual else params)
         relu = self.post_op[0] == "relu"
-        y = winograd.conv2d(x, u, b, self.padding, relu)
+        y = winograd.conv2d(x, u, b, self.padding, relu, addend)
         if y is None:  # an output not finite: where eager's would be, the direct way finds
             y = torch.nn.functional.conv2d(x, w, b, padding=self.padding)
+            y = y if addend is None else y + addend
             y = (torch.relu(y) if relu else y).contiguous(memory_format=torch.channels_last)
         return y
 

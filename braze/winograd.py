@@ -1,12 +1,14 @@
 """Fast mode's 3 x 3 convolutions (stride 1, no dilation, one group) of channels-last pixels as
 Winograd's F(2 x 2, 3 x 3): a native kernel built once per process into the JIT.
 
-    braze_winograd_conv2d(x, u, bias, y, flag, n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth, by_columns)
-        y [N, OH, OW, O] = conv(x [N, H, W, C], the weight u was made from) + bias [O], relu'd
-        where `relu`; u: `transformed(weight)`, 16 panels of usize floats (gemmkernel.pack's
-        layout, depth rows each); threads: OpenMP's, each its share of the tiles, or with
-        `by_columns` its share of the output channels (32 at a time) of every tile; *flag set
-        where an output (before the ReLU) is not finite
+    braze_winograd_conv2d(x, u, bias, addend, y, flag, n, h, w, c, o, oh, ow, ph, pw, relu, chunk,
+                          usize, depth, by_columns)
+        y [N, OH, OW, O] = conv(x [N, H, W, C], the weight u was made from) + bias [O] (+ addend
+        [N, OH, OW, O] where not null: a residual connection), relu'd where `relu`; u:
+        `transformed(weight)`, 16 panels of usize floats (gemmkernel.pack's layout, depth rows
+        each); threads: OpenMP's, each its share of the tiles, or with `by_columns` its share of
+        the output channels (32 at a time) of every tile; *flag set where an output (before the
+        ReLU) is not finite
 
 Why: oneDNN's direct convolution runs at the cores' peak (~210 GFLOP/s on two threads here), so
 only fewer multiplications go faster. Each 2 x 2 block of outputs (a tile) is A^T [(G g G^T) *
@@ -102,14 +104,15 @@ def _kernel(module: ll.Module) -> None:
     num_threads = declared(module, "omp_get_num_threads", I32, [])
     max_threads = declared(module, "omp_get_max_threads", I32, [])
     gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
-    types = [PTR] * 5 + [I64] * ARGS
+    types = [PTR] * 6 + [I64] * ARGS
 
     team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{NAME}_team")
     team.linkage = "internal"
     b = ll.IRBuilder(team.append_basic_block("entry"))
     words = [b.load(b.gep(team.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(len(types))]
-    x, u, bias, y, flag = (b.inttoptr(v, PTR) for v in words[:5])
-    n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth, by_columns = words[5:]
+    x, u, bias, addend, y, flag = (b.inttoptr(v, PTR) for v in words[:6])
+    n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth, by_columns = words[6:]
+    adds = b.icmp_unsigned("!=", addend, ll.Constant(PTR, None))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     th, tw = (b.sdiv(b.add(s, I64(1)), I64(2)) for s in (oh, ow))
     plane = b.mul(th, tw)
@@ -185,15 +188,16 @@ def _kernel(module: ll.Module) -> None:
                     # ReLU: lanes below 0 (not NaN, which eager's ReLU keeps) become 0; without it, none do
                     floor = splat(b, b.select(b.icmp_signed("!=", relu, I64(0)), F32(0.0), F32(float("-inf"))), LANES)
                     for k, v in enumerate(_output_transform(b, products)):
+                        row, col = b.add(r0, I64(k // 2)), b.add(c0, I64(k % 2))
+                        inside = b.and_(b.icmp_signed("<", row, oh), b.icmp_signed("<", col, ow))
+                        at_y = b.add(b.mul(b.add(b.mul(b.add(b.mul(img, oh), row), ow), col), o), ov)
                         v = b.fadd(v, shift)
+                        v = b.fadd(v, masked_load(b, at(addend, at_y), b.select(b.and_(adds, inside), mask, none)))
                         diff = b.fsub(v, v)  # NaN where v is an infinity or NaN
                         lanes = b.bitcast(b.fcmp_unordered("uno", diff, diff), I16)
                         b.store(b.or_(b.load(bad, typ=I16), lanes), bad)
                         v = b.select(b.fcmp_ordered("<", v, floor), zero, v)
-                        row, col = b.add(r0, I64(k // 2)), b.add(c0, I64(k % 2))
-                        inside = b.and_(b.icmp_signed("<", row, oh), b.icmp_signed("<", col, ow))
-                        ptr = at(y, b.add(b.mul(b.add(b.mul(b.add(b.mul(img, oh), row), ow), col), o), ov))
-                        masked_store(b, v, ptr, b.select(inside, mask, none))
+                        masked_store(b, v, at(y, at_y), b.select(inside, mask, none))
         with b.if_then(b.icmp_unsigned("!=", b.load(bad, typ=I16), I16(0))):
             b.atomic_rmw("or", flag, I64(1), "monotonic")
         b.call(free, [vs])
@@ -222,12 +226,20 @@ def chunk(c: int, o: int) -> int:
 
 @functools.cache
 def _kernel_function() -> ctypes._CFuncPtr:
-    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, *[ctypes.c_int64] * ARGS)(library())
+    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * ARGS)(library())
 
 
-def conv2d(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor, padding: list[int], relu: bool) -> torch.Tensor | None:
+def conv2d(
+    x: torch.Tensor,
+    u: torch.Tensor,
+    bias: torch.Tensor,
+    padding: list[int],
+    relu: bool,
+    addend: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """The 3 x 3 convolution of float32 x [N, C, H, W] by the weight u was made from
-    (`transformed`), plus bias [O] (contiguous: one per output channel), ReLU'd where `relu`:
+    (`transformed`), plus bias [O] (contiguous: one per output channel), plus `addend` (of the
+    result's shape) where given, ReLU'd where `relu`:
     channels-last [N, O, OH, OW]; None where an output is not finite (see above). x is read as
     channels-last pixels (made so if it is not). Threads split the tiles, or where each would
     have fewer than 2 * MIN_CHUNK of them, the output channels (each thread then reads its part
@@ -240,6 +252,10 @@ def conv2d(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor, padding: list[i
     x = x.contiguous(memory_format=torch.channels_last)
     oh, ow = h + 2 * padding[0] - 2, w + 2 * padding[1] - 2
     y = torch.empty(n, o, oh, ow, memory_format=torch.channels_last)
+    if addend is not None:
+        if addend.shape != y.shape or addend.dtype != torch.float32:
+            raise TypeError(f"winograd.conv2d: an addend of {addend.dtype} {tuple(addend.shape)} to {tuple(y.shape)}")
+        addend = addend.contiguous(memory_format=torch.channels_last)
     if y.numel() == 0:
         return y
     fn = _kernel_function()
@@ -247,5 +263,12 @@ def conv2d(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor, padding: list[i
     packing = (gemmkernel.packed_numel(o, c), gemmkernel.packed_depth(c))
     flag = ctypes.c_int64(0)
     by_columns = n * -(-oh // 2) * -(-ow // 2) < 2 * MIN_CHUNK * torch.get_num_threads()
-    fn(x.data_ptr(), u.data_ptr(), bias.data_ptr(), y.data_ptr(), ctypes.addressof(flag), *sizes, *packing, by_columns)
+    pointers = (
+        x.data_ptr(),
+        u.data_ptr(),
+        bias.data_ptr(),
+        None if addend is None else addend.data_ptr(),
+        y.data_ptr(),
+    )
+    fn(*pointers, ctypes.addressof(flag), *sizes, *packing, by_columns)
     return None if flag.value else y

@@ -581,13 +581,8 @@ class _ConvThenView(nn.Module):
         return self.head(y.view(y.size(0), -1))  # a view eager's NCHW layout allows
 
 
-def _conv_relu(x, w, b, padding, relu):
-    y = torch.nn.functional.conv2d(x, w, b, padding=padding)
-    return torch.relu(y) if relu else y
-
-
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("relu, addend", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize(
     "shape, out, padding",
     [
@@ -601,18 +596,28 @@ def _conv_relu(x, w, b, padding, relu):
     ],
     ids=str,
 )
-def test_the_winograd_kernel_keeps_the_contract(shape, out, padding, relu, n, threads):
+def test_the_winograd_kernel_keeps_the_contract(shape, out, padding, relu, addend, n, threads):
     """winograd.py's F(2 x 2, 3 x 3) against eager's direct convolution and a float64 one: odd
     channels and sizes (a tile's outputs past the image's edge not written), padding or none,
-    its ReLU, one and two threads; the result channels-last."""
+    its ReLU and a tensor added before it, one and two threads (splitting the tiles, or where
+    they are few the output channels); the result channels-last."""
     threads(n)
     torch.manual_seed(0)
     x = torch.randn(*shape).contiguous(memory_format=torch.channels_last)
     w, b = torch.randn(out, shape[1], 3, 3), torch.randn(out)
-    y = winograd.conv2d(x, winograd.transformed(w), b, [padding] * 2, relu)
-    ref = _conv_relu(x, w, b, padding, relu)
+    oh, ow = (s + 2 * padding - 2 for s in shape[2:])
+    more = torch.randn(shape[0], out, oh, ow) if addend else None  # (NCHW: the kernel reads it channels-last)
+
+    def expected(x, w, b, more):
+        y = torch.nn.functional.conv2d(x, w, b, padding=padding)
+        y = y if more is None else y + more
+        return torch.relu(y) if relu else y
+
+    y = winograd.conv2d(x, winograd.transformed(w), b, [padding] * 2, relu, more)
+    ref = expected(x, w, b, more)
     assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last)
-    assert measure(y, ref, _conv_relu(x.double(), w.double(), b.double(), padding, relu)).ok
+    doubled = None if more is None else more.double()
+    assert measure(y, ref, expected(x.double(), w.double(), b.double(), doubled)).ok
 
 
 @pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf"), 3e38])
@@ -665,8 +670,9 @@ def test_convolutions_of_channels_last_pixels_are_winograds_within_the_contract(
     with torch.no_grad():
         compiled(x)
     folded = _winograds(compiled)
-    assert len(folded) == 2 and all("batch_norm folded" in w for w in folded), folded
-    assert sum("relu as its post-op" in w for w in folded) == 1  # the other's is after the residual
+    assert len(folded) == 2 and all("batch_norm folded" in w and "relu as its post-op" in w for w in folded), folded
+    assert "the addition after it" in folded[1]  # the residual connection's, before its ReLU
+    assert not [n for p in compiled.programs() for n in p.graph.nodes if n.op is Op.ADD]
     report = braze.check_accuracy(model, x)
     assert report.ok, str(report)
 
@@ -686,6 +692,38 @@ def test_winograds_special_values_and_changed_weights_are_eagers():
     model.bn2.running_var.mul_(4.0)
     assert _within(compiled, model, x)
     assert len(_winograds(compiled)) == 2 and len(compiled.programs()) == 1
+
+
+class _Added(nn.Module):
+    """A Winograd convolution plus `other` (a residual of its shape, or a broadcast bias), then
+    optionally a BatchNorm of the sum."""
+
+    def __init__(self, other: str, norm: bool) -> None:
+        super().__init__()
+        self.stem, self.conv = nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.bias = nn.Parameter(torch.randn(1, 16, 1, 1))
+        self.other, self.norm = other, nn.BatchNorm2d(16) if norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.norm(self.conv(h) + (h if self.other == "residual" else self.bias))
+
+
+@pytest.mark.parametrize("other, norm, fused", [("residual", False, 1), ("residual", True, 1), ("bias", False, 0)])
+def test_only_a_residual_of_the_results_shape_is_added_in_winograds_kernel(other, norm, fused):
+    """A broadcast addend stays a loop; a BatchNorm after the sum is of the sum (not folded into
+    the convolution's weight)."""
+    torch.manual_seed(0)
+    model, x = _Added(other, norm).eval(), torch.randn(2, 8, 10, 10)
+    if norm:
+        with torch.no_grad():
+            model.norm.running_var.uniform_(0.5, 2.0)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        assert _within(compiled, model, x)
+    whys = _winograds(compiled)
+    assert len(whys) == 1 and ("the addition after it" in whys[0]) == bool(fused), whys
+    assert "batch_norm folded" not in whys[0]
 
 
 @pytest.mark.parametrize(

@@ -338,6 +338,21 @@ def fold_batch_norm(lw: Lowerer, at: int, bn: tuple[Sym, Sym, Sym, Sym], eps: fl
     return _replace(lw, at, args, "+ batch_norm folded into its weight (float64)")
 
 
+def fuse_residual(lw: Lowerer, x: Any, other: Any, out: Any) -> Sym | None:
+    """Fast mode: x + other as part of the Winograd convolution that computes x, where nothing else
+    reads x and other is float32 channels-last pixels of x's shape (a residual connection); else None."""
+    at = packed_call(lw, x, fast.PackedWinograd)
+    if at is None or not (isinstance(other, Sym) and is_float32(other) and isinstance(out, torch.Tensor)):
+        return None
+    if other.meta.shape != x.meta.shape or out.shape != x.meta.shape or not pixel_rows(other.meta, out):
+        return None
+    fn = lw.nodes[at].attrs["fn"]
+    if fn.residual:
+        return None
+    fn.residual = True
+    return _replace(lw, at, (*lw.nodes[at].attrs["args"], other), "+ the addition after it")
+
+
 def fuse_post_op(lw: Lowerer, at: int, attr: str, algorithm: str = "") -> Sym:
     """The packed call lw.nodes[at] with an activation of its result as oneDNN's post-op."""
     lw.nodes[at].attrs["fn"].post_op = (attr, algorithm)

@@ -27,6 +27,10 @@ def _binary(op: Op) -> Callable[..., Sym]:
             # `2 / x` is Tensor.__rtruediv__: reciprocal(x) * 2 in eager, two roundings.
             recip = lw.elementwise(Op.DIV, (1.0, b), out)
             return lw.elementwise(Op.MUL, (recip, a), out)
+        if op is Op.ADD and lw.fast:
+            fused = conv.fuse_residual(lw, a, b, out) or conv.fuse_residual(lw, b, a, out)
+            if fused is not None:
+                return fused
         return lw.elementwise(op, (a, b), out)
 
     return row
@@ -322,6 +326,8 @@ def _batch_norm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sy
     x, eps = given["input"], given.get("eps", 1e-5)
     channels = [given.get(k) for k in _BATCH_NORM_ARGS[1:5]]
     at = conv.packed_call(lw, x, fast.PackedConv)
+    if at is not None and lw.nodes[at].attrs["fn"].residual:
+        at = None  # (x is the sum of the convolution and another tensor: the batch_norm is of both)
     if at is not None and all(isinstance(t, Sym) for t in channels) and isinstance(eps, float):
         return conv.fold_batch_norm(lw, at, tuple(channels), eps)
     if not (is_float32(x) and x.meta.dim() >= 2):
