@@ -52,8 +52,10 @@ from .codegen import (
 
 NAME = "braze_winograd_conv2d"
 I16 = ll.IntType(16)
-ARGS = 14  # n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth, by_columns
+POINTERS = ("x", "u", "bias", "addend", "y", "flag")
+SIZES = ("n", "h", "w", "c", "o", "oh", "ow", "ph", "pw", "relu", "chunk", "usize", "depth", "by_columns")
 LANES = 16
+NONE = ll.Constant(ll.VectorType(ll.IntType(1), LANES), [0] * LANES)  # the mask of no lane
 # Tiles per step of a thread: their transformed inputs and products within SCRATCH bytes (L2 is
 # 1 MB), but at least MIN_CHUNK, as the step reads all of the transformed weight (4 MB at 256
 # channels in and out). Timed at ResNet-18's and cnn-small's sizes: 96 KB to 768 KB within 5%
@@ -97,113 +99,141 @@ def _output_transform(b: ll.IRBuilder, m: list[ll.Value]) -> list[ll.Value]:
     return [v for r in range(2) for v in combine([cols[j][r] for j in range(4)])]
 
 
+class _Team:
+    """One thread's part of a call, as IR: the call's arguments by name (POINTERS, SIZES), its
+    tiles [lo, hi) and output channels [col0, col1), scratch of a chunk's 16 transformed inputs
+    (vs) and products (ms), and `bad`: the lanes of outputs so far that were not finite."""
+
+    def __init__(self, b: ll.IRBuilder, words: list[ll.Value]) -> None:
+        self.b = b
+        for name, v in zip(POINTERS, words):
+            setattr(self, name, b.inttoptr(v, PTR))
+        for name, v in zip(SIZES, words[len(POINTERS) :]):
+            setattr(self, name, v)
+        self.tw = b.sdiv(b.add(self.ow, I64(1)), I64(2))
+        self.plane = b.mul(b.sdiv(b.add(self.oh, I64(1)), I64(2)), self.tw)  # tiles an image
+
+    def at(self, p: ll.Value, i: ll.Value) -> ll.Value:
+        return self.b.gep(p, [i], source_etype=F32)
+
+    def tile(self, index: ll.Value) -> tuple[ll.Value, ll.Value, ll.Value]:
+        """(image, first output row, first output column) of a tile (the patch's less the padding)."""
+        b = self.b
+        img, rest = b.sdiv(index, self.plane), b.srem(index, self.plane)
+        return img, b.mul(b.sdiv(rest, self.tw), I64(2)), b.mul(b.srem(rest, self.tw), I64(2))
+
+    def split(self, tid: ll.Value, nth: ll.Value) -> None:
+        """This thread's tiles and output channels: an equal share of the tiles (all channels), or
+        with by_columns of the channels' 32-wide panels (all tiles)."""
+        b, nr = self.b, I64(gemmkernel.NR)
+
+        def share(count: ll.Value) -> tuple[ll.Value, ll.Value]:
+            each = b.sdiv(b.add(count, b.sub(nth, I64(1))), nth)
+            first = b.mul(tid, each)
+            return first, smaller(b, b.add(first, each), count)
+
+        columns, tiles = b.icmp_signed("!=", self.by_columns, I64(0)), b.mul(self.n, self.plane)
+        lo, hi = share(tiles)
+        self.lo, self.hi = b.select(columns, I64(0), lo), b.select(columns, tiles, hi)
+        col0, col1 = share(b.sdiv(b.add(self.o, I64(gemmkernel.NR - 1)), nr))
+        self.col0 = b.select(columns, b.mul(col0, nr), I64(0))
+        self.col1 = b.select(columns, smaller(b, b.mul(col1, nr), self.o), self.o)
+
+
+def _inputs(k: _Team, t0: ll.Value, rows: ll.Value) -> None:
+    """B^T d B of each of the chunk's tiles, 16 channels at a time, into vs [16, chunk, C]; a
+    patch's pixels outside the image are zeros."""
+    b = k.b
+    with counted_loop(b, I64(0), rows) as t:
+        img, r0, c0 = k.tile(b.add(t0, t))
+        with counted_loop(b, I64(0), k.c, LANES) as cv:
+            mask = lanes_below(b, b.sub(k.c, cv))
+            patch = []
+            for i in range(4):
+                row = b.sub(b.add(r0, I64(i)), k.ph)
+                row_in = b.and_(b.icmp_signed(">=", row, I64(0)), b.icmp_signed("<", row, k.h))
+                base = b.mul(b.add(b.mul(img, k.h), row), k.w)
+                patch.append([])
+                for j in range(4):
+                    col = b.sub(b.add(c0, I64(j)), k.pw)
+                    inside = b.and_(row_in, b.and_(b.icmp_signed(">=", col, I64(0)), b.icmp_signed("<", col, k.w)))
+                    ptr = k.at(k.x, b.add(b.mul(b.add(base, col), k.c), cv))
+                    patch[i].append(masked_load(b, ptr, b.select(inside, mask, NONE)))
+            for xi, v in enumerate(_input_transform(b, patch)):
+                masked_store(b, v, k.at(k.vs, b.add(b.mul(b.add(b.mul(I64(xi), k.chunk), t), k.c), cv)), mask)
+
+
+def _products(k: _Team, gemm: ll.Function, rows: ll.Value) -> None:
+    """The 16 GEMMs, vs[xi] [rows, C] @ the weight's xi-th [C, col0:col1] into ms [16, chunk, O]
+    (the packed panels of columns col0.. start at col0 * depth)."""
+    b, null = k.b, ll.Constant(PTR, None)
+    with counted_loop(b, I64(0), I64(16)) as xi:
+        src = k.at(k.vs, b.mul(b.mul(xi, k.chunk), k.c))
+        dst = k.at(k.ms, b.add(b.mul(b.mul(xi, k.chunk), k.o), k.col0))
+        panels = k.at(k.u, b.add(b.mul(xi, k.usize), b.mul(k.col0, k.depth)))
+        width = b.sub(k.col1, k.col0)
+        b.call(gemm, [src, k.c, panels, k.depth, dst, k.o, null, I64(0), width, k.c, I64(0), rows, I64(0)])
+
+
+def _outputs(k: _Team, t0: ll.Value, rows: ll.Value) -> None:
+    """A^T m A of each tile's products, + bias (+ addend), ReLU'd: its outputs inside the image."""
+    b, zero = k.b, ll.Constant(LANES16, [0.0] * LANES)
+    adds = b.icmp_unsigned("!=", k.addend, ll.Constant(PTR, None))
+    # ReLU: lanes below 0 (not NaN, which eager's ReLU keeps) become 0; without it, none do
+    floor = splat(b, b.select(b.icmp_signed("!=", k.relu, I64(0)), F32(0.0), F32(float("-inf"))), LANES)
+    with counted_loop(b, I64(0), rows) as t:
+        img, r0, c0 = k.tile(b.add(t0, t))
+        with counted_loop(b, k.col0, k.col1, LANES) as ov:
+            mask = lanes_below(b, b.sub(k.col1, ov))
+            at_m = [b.add(b.mul(b.add(b.mul(I64(xi), k.chunk), t), k.o), ov) for xi in range(16)]
+            shift = masked_load(b, k.at(k.bias, ov), mask)
+            for i, v in enumerate(_output_transform(b, [masked_load(b, k.at(k.ms, m), mask) for m in at_m])):
+                row, col = b.add(r0, I64(i // 2)), b.add(c0, I64(i % 2))
+                inside = b.and_(b.icmp_signed("<", row, k.oh), b.icmp_signed("<", col, k.ow))
+                at_y = b.add(b.mul(b.add(b.mul(b.add(b.mul(img, k.oh), row), k.ow), col), k.o), ov)
+                v = b.fadd(v, shift)
+                v = b.fadd(v, masked_load(b, k.at(k.addend, at_y), b.select(b.and_(adds, inside), mask, NONE)))
+                diff = b.fsub(v, v)  # NaN where v is an infinity or NaN
+                lanes = b.bitcast(b.fcmp_unordered("uno", diff, diff), I16)
+                b.store(b.or_(b.load(k.bad, typ=I16), lanes), k.bad)
+                v = b.select(b.fcmp_ordered("<", v, floor), zero, v)
+                masked_store(b, v, k.at(k.y, at_y), b.select(inside, mask, NONE))
+
+
 def _kernel(module: ll.Module) -> None:
     gemm = declared(module, gemmkernel.NAME_PACKED, VOID, gemmkernel.ARGS)
     alloc, free = declared(module, "aligned_alloc", PTR, [I64, I64]), declared(module, "free", VOID, [PTR])
     thread_num = declared(module, "omp_get_thread_num", I32, [])
     num_threads = declared(module, "omp_get_num_threads", I32, [])
-    max_threads = declared(module, "omp_get_max_threads", I32, [])
-    gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
-    types = [PTR] * 6 + [I64] * ARGS
+    types = [PTR] * len(POINTERS) + [I64] * len(SIZES)
 
     team = ll.Function(module, ll.FunctionType(VOID, [PTR]), f"{NAME}_team")
     team.linkage = "internal"
     b = ll.IRBuilder(team.append_basic_block("entry"))
-    words = [b.load(b.gep(team.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(len(types))]
-    x, u, bias, addend, y, flag = (b.inttoptr(v, PTR) for v in words[:6])
-    n, h, w, c, o, oh, ow, ph, pw, relu, chunk, usize, depth, by_columns = words[6:]
-    adds = b.icmp_unsigned("!=", addend, ll.Constant(PTR, None))
-    at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
-    th, tw = (b.sdiv(b.add(s, I64(1)), I64(2)) for s in (oh, ow))
-    plane = b.mul(th, tw)
-    tiles = b.mul(n, plane)
-    tid, nth = (b.sext(b.call(f, []), I64) for f in (thread_num, num_threads))
-    columns = b.icmp_signed("!=", by_columns, I64(0))
-
-    def share(count: ll.Value) -> tuple[ll.Value, ll.Value]:
-        """This thread's [first, end) of count things: its equal share, or all where the split is the other's."""
-        each = b.sdiv(b.add(count, b.sub(nth, I64(1))), nth)
-        first = b.mul(tid, each)
-        return first, smaller(b, b.add(first, each), count)
-
-    lo, hi = share(tiles)
-    lo, hi = b.select(columns, I64(0), lo), b.select(columns, tiles, hi)
-    col0, col1 = (
-        b.mul(v, I64(gemmkernel.NR)) for v in share(b.sdiv(b.add(o, I64(gemmkernel.NR - 1)), I64(gemmkernel.NR)))
-    )
-    col0, col1 = b.select(columns, col0, I64(0)), b.select(columns, smaller(b, col1, o), o)
-    with b.if_then(b.and_(b.icmp_signed("<", lo, hi), b.icmp_signed("<", col0, col1))):
-        vs = b.call(alloc, [I64(64), b.mul(b.mul(chunk, b.add(c, I64(LANES))), I64(16 * 4))])
-        ms = b.call(alloc, [I64(64), b.mul(b.mul(chunk, b.add(o, I64(LANES))), I64(16 * 4))])
-        none = ll.Constant(ll.VectorType(ll.IntType(1), LANES), [0] * LANES)
-        bad = b.alloca(I16)  # lanes that were not finite, of any output so far
-        b.store(I16(0), bad)
-        zero = ll.Constant(LANES16, [0.0] * LANES)
-        with counted_loop(b, lo, hi, chunk) as t0:
-            rows = b.sub(hi, t0)
-            rows = b.select(b.icmp_signed("<", rows, chunk), rows, chunk)
-
-            def tile(t: ll.Value) -> tuple[ll.Value, ll.Value, ll.Value]:
-                """(image, first input row, first input column) of tile t0 + t (its outputs' row
-                and column are 2 ty and 2 tx: the inputs' less the padding)."""
-                index = b.add(t0, t)
-                img, rest = b.sdiv(index, plane), b.srem(index, plane)
-                return img, b.mul(b.sdiv(rest, tw), I64(2)), b.mul(b.srem(rest, tw), I64(2))
-
-            with counted_loop(b, I64(0), rows) as t:
-                img, r0, c0 = tile(t)
-                with counted_loop(b, I64(0), c, LANES) as cv:
-                    mask = lanes_below(b, b.sub(c, cv))
-                    patch = []
-                    for i in range(4):
-                        row = b.sub(b.add(r0, I64(i)), ph)
-                        row_in = b.and_(b.icmp_signed(">=", row, I64(0)), b.icmp_signed("<", row, h))
-                        base = b.mul(b.add(b.mul(img, h), row), w)
-                        patch.append([])
-                        for j in range(4):
-                            col = b.sub(b.add(c0, I64(j)), pw)
-                            inside = b.and_(
-                                row_in, b.and_(b.icmp_signed(">=", col, I64(0)), b.icmp_signed("<", col, w))
-                            )
-                            ptr = at(x, b.add(b.mul(b.add(base, col), c), cv))
-                            patch[i].append(masked_load(b, ptr, b.select(inside, mask, none)))
-                    for xi, v in enumerate(_input_transform(b, patch)):
-                        masked_store(b, v, at(vs, b.add(b.mul(b.add(b.mul(I64(xi), chunk), t), c), cv)), mask)
-            null = ll.Constant(PTR, None)
-            with counted_loop(b, I64(0), I64(16)) as xi:  # (the panels of columns col0.. start at col0 * depth)
-                src = at(vs, b.mul(b.mul(xi, chunk), c))
-                dst = at(ms, b.add(b.mul(b.mul(xi, chunk), o), col0))
-                panels = at(u, b.add(b.mul(xi, usize), b.mul(col0, depth)))
-                width = b.sub(col1, col0)
-                b.call(gemm, [src, c, panels, depth, dst, o, null, I64(0), width, c, I64(0), rows, I64(0)])
-            with counted_loop(b, I64(0), rows) as t:
-                img, r0, c0 = tile(t)
-                with counted_loop(b, col0, col1, LANES) as ov:
-                    mask = lanes_below(b, b.sub(col1, ov))
-                    products = [
-                        masked_load(b, at(ms, b.add(b.mul(b.add(b.mul(I64(xi), chunk), t), o), ov)), mask)
-                        for xi in range(16)
-                    ]
-                    shift = masked_load(b, at(bias, ov), mask)
-                    # ReLU: lanes below 0 (not NaN, which eager's ReLU keeps) become 0; without it, none do
-                    floor = splat(b, b.select(b.icmp_signed("!=", relu, I64(0)), F32(0.0), F32(float("-inf"))), LANES)
-                    for k, v in enumerate(_output_transform(b, products)):
-                        row, col = b.add(r0, I64(k // 2)), b.add(c0, I64(k % 2))
-                        inside = b.and_(b.icmp_signed("<", row, oh), b.icmp_signed("<", col, ow))
-                        at_y = b.add(b.mul(b.add(b.mul(b.add(b.mul(img, oh), row), ow), col), o), ov)
-                        v = b.fadd(v, shift)
-                        v = b.fadd(v, masked_load(b, at(addend, at_y), b.select(b.and_(adds, inside), mask, none)))
-                        diff = b.fsub(v, v)  # NaN where v is an infinity or NaN
-                        lanes = b.bitcast(b.fcmp_unordered("uno", diff, diff), I16)
-                        b.store(b.or_(b.load(bad, typ=I16), lanes), bad)
-                        v = b.select(b.fcmp_ordered("<", v, floor), zero, v)
-                        masked_store(b, v, at(y, at_y), b.select(inside, mask, none))
-        with b.if_then(b.icmp_unsigned("!=", b.load(bad, typ=I16), I16(0))):
-            b.atomic_rmw("or", flag, I64(1), "monotonic")
-        b.call(free, [vs])
-        b.call(free, [ms])
+    k = _Team(b, [b.load(b.gep(team.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(len(types))])
+    k.split(*(b.sext(b.call(f, []), I64) for f in (thread_num, num_threads)))
+    with b.if_then(b.and_(b.icmp_signed("<", k.lo, k.hi), b.icmp_signed("<", k.col0, k.col1))):
+        k.vs = b.call(alloc, [I64(64), b.mul(b.mul(k.chunk, b.add(k.c, I64(LANES))), I64(16 * 4))])
+        k.ms = b.call(alloc, [I64(64), b.mul(b.mul(k.chunk, b.add(k.o, I64(LANES))), I64(16 * 4))])
+        k.bad = b.alloca(I16)
+        b.store(I16(0), k.bad)
+        with counted_loop(b, k.lo, k.hi, k.chunk) as t0:
+            rows = smaller(b, b.sub(k.hi, t0), k.chunk)
+            _inputs(k, t0, rows)
+            _products(k, gemm, rows)
+            _outputs(k, t0, rows)
+        with b.if_then(b.icmp_unsigned("!=", b.load(k.bad, typ=I16), I16(0))):
+            b.atomic_rmw("or", k.flag, I64(1), "monotonic")
+        b.call(free, [k.vs])
+        b.call(free, [k.ms])
     b.ret_void()
+    _entry(module, team, types)
 
+
+def _entry(module: ll.Module, team: ll.Function, types: list[ll.Type]) -> None:
+    """NAME(arguments...): the arguments as words, the team run on OpenMP's threads."""
+    max_threads = declared(module, "omp_get_max_threads", I32, [])
+    gomp = declared(module, "GOMP_parallel", VOID, [PTR, PTR, I32, I32])
     f = ll.Function(module, ll.FunctionType(VOID, types), NAME)
     b = ll.IRBuilder(f.append_basic_block("entry"))
     args = b.alloca(I64, size=I64(len(types)))
@@ -226,7 +256,7 @@ def chunk(c: int, o: int) -> int:
 
 @functools.cache
 def _kernel_function() -> ctypes._CFuncPtr:
-    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * ARGS)(library())
+    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * len(POINTERS), *[ctypes.c_int64] * len(SIZES))(library())
 
 
 def conv2d(
