@@ -253,8 +253,8 @@ def _openvino(model: torch.nn.Module, inputs: tuple) -> Callable[..., Any]:
 BACKENDS: dict[str, tuple[Callable[..., Callable[..., Any]], bool, str | None]] = {
     # name: (prepare, has a compile cache, module it needs)
     "eager": (_eager, False, None),
-    "braze": (_braze, False, None),
-    "braze-fast": (_braze_fast, False, None),
+    "braze": (_braze, True, None),  # (its kernels' machine code: kernelcache.py)
+    "braze-fast": (_braze_fast, True, None),
     "inductor": (_inductor, True, None),
     "inductor-freezing": (_inductor_freezing, True, None),
     "torchscript": (_torchscript, False, None),
@@ -306,7 +306,7 @@ def _first_call_worker(model_name: str, backend: str) -> dict[str, Any]:
 
 
 def _run_worker(model: str, backend: str, cache_dir: str, timeout: float) -> dict[str, Any]:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, BRAZE_KERNEL_CACHE=cache_dir, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "braze.bench", "--worker", model, backend]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)

@@ -58,6 +58,12 @@ blas_clock: bool = bool(_env_int("BRAZE_BLAS_CLOCK", 0))
 # braze_layer_norm_rows or a program's kernel where it otherwise shows bare addresses.
 perf_map: bool = bool(_env_int("BRAZE_PERF_MAP", 0))
 
+# Where the library kernels' machine code is kept between processes (kernelcache.py); "": nowhere.
+kernel_cache: str = os.environ.get(
+    "BRAZE_KERNEL_CACHE",
+    os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "braze", "kernels"),
+)
+
 # At import, move the objects that exist (torch's own modules and functions, ~165k objects) out of
 # the cyclic garbage collector's reach (gc.freeze), so no first call pays ~100 ms for a full
 # collection of them. They live until exit anyway.
@@ -79,6 +85,7 @@ _KNOBS = (
     "blas_clock",
     "perf_map",
     "gc_freeze",
+    "kernel_cache",
 )
 
 

@@ -30,7 +30,7 @@ import llvmlite.binding as llvm
 import llvmlite.ir as ll
 import torch
 
-from . import config
+from . import config, kernelcache
 
 _lock = threading.Lock()
 _state: list[tuple[llvm.ExecutionEngine, llvm.TargetMachine]] = []  # the JIT, once made
@@ -515,7 +515,7 @@ def kernel(name: str, write: Callable[[ll.Module], Any], exported: tuple[str, ..
             module = ll.Module(name)
             write(module)
             names = list(dict.fromkeys([name, *exported]))
-            compiled = compile_module(str(realigned(module)), names, opt_level=2, want_text=False)
+            compiled = compile_module(str(realigned(module)), names, opt_level=2, want_text=False, keep=True)
             define_symbols(compiled.addresses)
             _kernels[name] = compiled.addresses[name]
         return _kernels[name]
@@ -540,8 +540,25 @@ def _engine() -> tuple[llvm.ExecutionEngine, llvm.TargetMachine]:
         llvm.initialize_native_asmprinter()
         _bind_symbols()
         tm = _target_machine()
-        _state.append((llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm), tm))
+        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm)
+        engine.set_object_cache(_compiled_object, _kept_object)
+        _state.append((engine, tm))
     return _state[0]
+
+
+# The modules being loaded whose object code is kept on disk (kernelcache.py), by id: (their key,
+# the object file found there or None). MCJIT asks for a module's object before compiling it.
+_keeping: dict[int, tuple[str, bytes | None]] = {}
+
+
+def _kept_object(module: llvm.ModuleRef) -> bytes | None:
+    return _keeping.get(id(module), ("", None))[1]
+
+
+def _compiled_object(module: llvm.ModuleRef, obj: bytes) -> None:
+    name, found = _keeping.get(id(module), ("", None))
+    if name and found is None:
+        kernelcache.store(name, obj)
 
 
 def target_machine() -> llvm.TargetMachine:
@@ -558,9 +575,16 @@ class Compiled:
 
 
 def compile_module(
-    ir_text: str, names: list[str], opt_level: int, want_text: bool, only: Collection[str] | None = None
+    ir_text: str,
+    names: list[str],
+    opt_level: int,
+    want_text: bool,
+    only: Collection[str] | None = None,
+    keep: bool = False,
 ) -> Compiled:
-    """Parse, verify, optimise and JIT-load `ir_text`; return the addresses of `names`.
+    """Parse, verify, optimise and JIT-load `ir_text`; return the addresses of `names`. With
+    `keep`, its object code is kept on disk (kernelcache.py), and taken from there when another
+    process compiled it before (then not optimised again).
 
     opt_level 0 skips LLVM's optimiser: codegen already writes vector loops. Higher levels run
     the new pass manager's pipeline at that speed level (for programs with much loop work) on
@@ -574,6 +598,8 @@ def compile_module(
     with _lock:
         engine, tm = _engine()
         t0 = time.perf_counter()
+        name = kernelcache.key(ir_text, opt_level, tm) if keep and config.kernel_cache and not want_text else ""
+        found = kernelcache.load(name) if name else None
         mod = llvm.parse_assembly(ir_text)
         mod.triple = tm.triple
         mod.data_layout = str(tm.target_data)
@@ -585,7 +611,7 @@ def compile_module(
                 if not fn.is_declaration and fn.name not in optimised:
                     fn.add_function_attribute("noinline")  # (optnone requires it)
                     fn.add_function_attribute("optnone")
-        if opt_level:
+        if opt_level and found is None:
             pto = llvm.create_pipeline_tuning_options(speed_level=opt_level)
             # Unrolling and interleaving quadruple compile time for loops that are memory-bound.
             pto.loop_unrolling = False
@@ -600,8 +626,13 @@ def compile_module(
         optimized = str(mod) if want_text else ""
         asm = tm.emit_assembly(mod) if want_text else ""
         defined = [fn.name for fn in mod.functions if not fn.is_declaration] if config.perf_map else []
-        engine.add_module(mod)
-        engine.finalize_object()
+        if name:
+            _keeping[id(mod)] = (name, found)
+        try:
+            engine.add_module(mod)
+            engine.finalize_object()
+        finally:
+            _keeping.pop(id(mod), None)
         addresses = {n: engine.get_function_address(n) or engine.get_global_value_address(n) for n in names}
         if defined:
             _write_perf_map({engine.get_function_address(n): n for n in defined})

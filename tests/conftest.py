@@ -1,9 +1,18 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 from braze import config
+
+# The suite keeps braze's kernels (kernelcache.py) in a directory of its own, empty at the start,
+# as a fresh machine's would be; its subprocesses share it.
+_KERNELS = tempfile.mkdtemp(prefix="braze-test-kernels-")
+os.environ["BRAZE_KERNEL_CACHE"] = config.kernel_cache = _KERNELS
+atexit.register(shutil.rmtree, _KERNELS, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
