@@ -59,9 +59,9 @@ blas_clock: bool = bool(_env_int("BRAZE_BLAS_CLOCK", 0))
 perf_map: bool = bool(_env_int("BRAZE_PERF_MAP", 0))
 
 # Where the library kernels' machine code is kept between processes (kernelcache.py); "": nowhere.
+_CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")  # ("~/..." if no home)
 kernel_cache: str = os.environ.get(
-    "BRAZE_KERNEL_CACHE",
-    os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "braze", "kernels"),
+    "BRAZE_KERNEL_CACHE", "" if _CACHE_HOME.startswith("~") else os.path.join(_CACHE_HOME, "braze", "kernels")
 )
 
 # At import, move the objects that exist (torch's own modules and functions, ~165k objects) out of
