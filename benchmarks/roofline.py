@@ -8,7 +8,7 @@ attention; elementwise work and normalisations not counted, so the bound is loos
 favour). The peak is measured: a loop of independent AVX-512 FMAs (12 accumulators, the JIT's
 code), on each of the threads at once. Then the largest speed-up over eager any program that
 does this arithmetic can have: eager's time / (work / peak), beside braze's measured one
-(exact and fast mode, interleaved with eager in one process, medians). Exact mode cannot do less
+(exact and fast mode, interleaved with eager in one process: braze.timing, medians). Exact mode cannot do less
 arithmetic than eager: its GEMMs are eager's, operation for operation.
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import braze
-from braze import jit
+from braze import jit, timing
 from braze.bench import build_model
 from braze.codegen import I64, LANES16, PTR, VOID, counted_loop, fma
 
@@ -79,22 +79,6 @@ def work(model: torch.nn.Module, inputs: tuple) -> int:
     return counter.get_total_flops()
 
 
-def timed(fns: dict, inputs: tuple, rounds: int = 15) -> dict[str, float]:
-    """Median seconds per call of each, interleaved (3 calls a round, the order reversed every other round)."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    with torch.no_grad():
-        for f in fns.values():
-            f(*inputs)
-            f(*inputs)
-        for r in range(rounds):
-            for k, f in fns.items() if r % 2 == 0 else reversed(fns.items()):
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    f(*inputs)
-                times[k].append((time.perf_counter() - t0) / 3)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def main(names: list[str]) -> None:
     threads = torch.get_num_threads()
     peak = peak_flops(threads)
@@ -103,12 +87,14 @@ def main(names: list[str]) -> None:
         model, inputs = build_model(name)
         flops = work(model, inputs)
         fns = {"eager": model, "exact": braze.compile(model), "fast": braze.compile(model, mode="fast")}
-        t = timed(fns, inputs)
+        with torch.no_grad():
+            t = timing.compare(fns, inputs)
+        eager = statistics.median(t["eager"].rounds) * 1e-6
         bound = flops / peak
         print(
-            f"{name:18s} {flops / 1e6:7.0f} MFLOP: at peak {bound * 1e3:.3f} ms; eager {t['eager'] * 1e3:.3f} ms "
-            f"({flops / t['eager'] / 1e9:.0f} GFLOP/s), so at most {t['eager'] / bound:.2f}x eager; "
-            f"braze exact {t['eager'] / t['exact']:.2f}x, fast {t['eager'] / t['fast']:.2f}x"
+            f"{name:18s} {flops / 1e6:7.0f} MFLOP: at peak {bound * 1e3:.3f} ms; eager {eager * 1e3:.3f} ms "
+            f"({flops / eager / 1e9:.0f} GFLOP/s), so at most {eager / bound:.2f}x eager; "
+            f"braze exact {t.speedup('exact', 'eager'):.2f}x, fast {t.speedup('fast', 'eager'):.2f}x"
         )
 
 

@@ -333,8 +333,16 @@ def _cnn() -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
 
 
-def _folded(compiled) -> list[str]:
-    return [why for p in compiled.programs() for label, why in p.externs if label.startswith("conv2d")]
+def _convolutions(model: nn.Module, x: torch.Tensor, kind: str = "conv2d") -> list[str]:
+    """Why each ATen call whose label has `kind` is made, in fast mode's program for x."""
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        compiled(x)
+    return _whys(compiled, kind)
+
+
+def _whys(compiled, kind: str) -> list[str]:
+    return [why for p in compiled.programs() for label, why in p.externs if kind in label]
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
@@ -342,10 +350,7 @@ def _folded(compiled) -> list[str]:
 def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape):
     model = _cnn()
     x = torch.randn(*shape) * scale
-    compiled = braze.compile(model, mode="fast")
-    with torch.no_grad():
-        compiled(x)
-    folded = _folded(compiled)
+    folded = _convolutions(model, x)
     assert len(folded) == 3 and all("batch_norm folded" in w for w in folded), folded
     # the last one is Winograd's, with the ReLU; oneDNN's ReLU would make NaN 0
     assert ["relu as its post-op" in w for w in folded] == [False, False, True], folded
@@ -657,10 +662,6 @@ def _resnet_block() -> nn.Module:
     return model
 
 
-def _winograds(compiled) -> list[str]:
-    return [why for p in compiled.programs() for label, why in p.externs if "Winograd" in label]
-
-
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
 @pytest.mark.parametrize("shape", [(1, 8, 16, 16), (2, 8, 15, 9)], ids=str)
 def test_convolutions_of_channels_last_pixels_are_winograds_within_the_contract(scale, shape):
@@ -669,7 +670,7 @@ def test_convolutions_of_channels_last_pixels_are_winograds_within_the_contract(
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         compiled(x)
-    folded = _winograds(compiled)
+    folded = _whys(compiled, "Winograd")
     assert len(folded) == 2 and all("batch_norm folded" in w and "relu as its post-op" in w for w in folded), folded
     assert "the addition after it" in folded[1]  # the residual connection's, before its ReLU
     assert not [n for p in compiled.programs() for n in p.graph.nodes if n.op is Op.ADD]
@@ -691,7 +692,7 @@ def test_winograds_special_values_and_changed_weights_are_eagers():
     model.conv1.weight.mul_(-2.0)
     model.bn2.running_var.mul_(4.0)
     assert _within(compiled, model, x)
-    assert len(_winograds(compiled)) == 2 and len(compiled.programs()) == 1
+    assert len(_whys(compiled, "Winograd")) == 2 and len(compiled.programs()) == 1
 
 
 class _Added(nn.Module):
@@ -721,7 +722,7 @@ def test_only_a_residual_of_the_results_shape_is_added_in_winograds_kernel(other
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         assert _within(compiled, model, x)
-    whys = _winograds(compiled)
+    whys = _whys(compiled, "Winograd")
     assert len(whys) == 1 and ("the addition after it" in whys[0]) == bool(fused), whys
     assert "batch_norm folded" not in whys[0]
 
@@ -739,7 +740,7 @@ def test_other_convolutions_stay_onednn(channels, kw):
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         compiled(x)
-    assert not _winograds(compiled)
+    assert not _whys(compiled, "Winograd")
     assert braze.check_accuracy(model, x).ok
 
 
