@@ -13,6 +13,9 @@ calls, within an accuracy contract (accuracy.py) instead of eager's bits.
              most of it the call; their global average pool, a GEMM of ones (lowering/pool.py)
     direct   a depthwise convolution of channels-last pixels up to 8 MFLOP, and one of an NCHW
              input of up to 4 channels (a network's first): braze's kernels (directconv.py)
+    3 x 3    one of stride 1 and 16+ channels on channels-last pixels: Winograd's F(2 x 2, 3 x 3),
+             braze's kernel (winograd.py, PackedWinograd) on the weight transformed once, with
+             the ReLU and a residual addition after it
     sdpa     attention (causal or masked, not dropout): braze's kernel (attention.py)
     GEMM     braze's GEMM kernel (exact mode's) on linear's weight packed once (GemmPack), where
              exact mode packs it on every call; one packed again more than REPACKS times is

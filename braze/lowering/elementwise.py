@@ -51,16 +51,16 @@ def _unary(op: Op) -> Callable[..., Sym]:
 
 
 def _post_op(attr: str, algorithm: str, otherwise: Callable[..., Sym]) -> Callable[..., Sym]:
-    """An activation: in fast mode, oneDNN's post-op `attr` of the packed convolution or linear it
-    follows (if nothing else reads that result); else `otherwise`'s lowering."""
+    """An activation: in fast mode, the post-op `attr` of the packed convolution or linear it
+    follows (if nothing else reads that result, and the call takes it); else `otherwise`'s
+    lowering."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         x = args[0] if args else kwargs.get("input")
         at = conv.packed_call(lw, x)
         # (in place or not: nothing else reads x, so no one sees it before the activation)
-        if at is None or (set(kwargs) - {"input", "approximate", "inplace"}) or len(args) > 1:
-            return otherwise(lw, fn, args, kwargs, out)
-        if not lw.nodes[at].attrs["fn"].takes(attr):
+        plain = not (set(kwargs) - {"input", "approximate", "inplace"}) and len(args) <= 1
+        if at is None or not plain or not lw.nodes[at].attrs["fn"].takes(attr):
             return otherwise(lw, fn, args, kwargs, out)
         approximate = getattr(fn, "approximate", kwargs.get("approximate", "none"))
         return conv.fuse_post_op(lw, at, attr, approximate if attr == "gelu" else algorithm)
