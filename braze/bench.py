@@ -538,5 +538,7 @@ if __name__ == "__main__":
     # is the one plugins register backends in (this file runs as a second copy, __main__).
     from braze import bench as _bench
 
+    if len(sys.argv) != 4 or sys.argv[1] != "--worker":
+        sys.exit("usage: python -m braze.bench --worker MODEL BACKEND (the benchmark itself: braze bench)")
     _bench._load_plugins()
     print(json.dumps(_bench._first_call_worker(sys.argv[2], sys.argv[3])))
