@@ -4,9 +4,11 @@ causal or not, with a boolean or additive float mask or none, built once per pro
     braze_attention[_bool|_float](q, k, v, out, mask, H, group, T, S, d,
                     <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi)
 
-for the (batch, head) pairs [lo, hi) (codegen splits them between threads); `group` query heads
-share each key and value head (grouped-query attention). Per pair: k is packed into panels of 32
-keys (gathers of 16), then per block of 6 queries the scores q k^T come from a register-blocked
+for the rows [lo, hi) of all (batch, head, query) rows (codegen splits them evenly between
+threads: split by (batch, head) pair, ViT-Tiny's three heads kept one thread waiting a third of
+the time); `group` query heads share each key and value head (grouped-query attention). Per pair
+a thread has rows of: k is packed into panels of 32 keys (gathers of 16), then per block of 6 of
+its queries the scores q k^T come from a register-blocked
 kernel (12 AVX-512 accumulators: per head dimension one broadcast of q per row, two vector loads
 of the panel), each row's softmax is taken unnormalised (its max, Sleef's exp of score * scale
 (+ mask) - max, their sum: 16-lane trees; as in ATen's kernel NaN scores do not count in the max,
@@ -128,21 +130,21 @@ def _masking(b: ll.IRBuilder, kind: int, base: ll.Value, stride: ll.Value, first
 
 
 def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.Function:
-    """(q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, T, S, d, scale, causal, packed, scores):
-    one (batch, head). Causal: query i sees keys 0..i (PyTorch's is_causal, aligned at the top
-    left). Mask `kind`: none, a boolean or an additive float one (rows ldm apart, see _masking)."""
-    args = [PTR, I64] * 5 + [I64] * 3 + [F32, I64, PTR, PTR]
+    """(q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, first, end, S, d, scale, causal, packed,
+    scores): queries [first, end) of one (batch, head), its keys packed already. Causal: query i
+    sees keys 0..i (PyTorch's is_causal, aligned at the top left). Mask `kind`: none, a boolean
+    or an additive float one (rows ldm apart, see _masking)."""
+    args = [PTR, I64] * 5 + [I64] * 4 + [F32, I64, PTR, PTR]
     f = ll.Function(module, ll.FunctionType(VOID, args), f"{NAME}_head{kind}")
     f.linkage = "internal"
-    q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, t_, s, d, scale, causal, packed, scores = f.args
+    q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, first, end, s, d, scale, causal, packed, scores = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
     inverse = b.alloca(F32, size=I64(MR))
-    _pack_keys(b, k, ldk, s, d, packed)
     causal = b.icmp_signed("!=", causal, I64(0))
-    with counted_loop(b, I64(0), t_, MR) as i:
-        height = smaller(b, b.sub(t_, i), I64(MR))
+    with counted_loop(b, first, end, MR) as i:
+        height = smaller(b, b.sub(end, i), I64(MR))
         # the keys this block's queries see: all, or (causal) up to its last query
         limit = b.select(causal, smaller(b, s, b.add(i, height)), s)
 
@@ -184,7 +186,13 @@ def _entry(module: ll.Module, kind: int) -> None:
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
     scratch = b.call(malloc, [b.mul(b.mul(spad, b.add(d, I64(MR))), I64(4))])
     scores = b.gep(scratch, [b.mul(spad, d)], source_etype=F32)
-    with counted_loop(b, lo, hi) as pair:
+    rows = b.select(b.icmp_signed(">", t_, I64(1)), t_, I64(1))  # (T, or 1 where T is 0: no rows)
+    # the pairs with rows in [lo, hi), each from its first row there to its last
+    with counted_loop(b, b.sdiv(lo, rows), b.sdiv(b.add(hi, b.sub(rows, I64(1))), rows)) as pair:
+        start = b.mul(pair, rows)
+        first = b.sub(lo, start)
+        first = b.select(b.icmp_signed(">", first, I64(0)), first, I64(0))
+        end = smaller(b, b.sub(hi, start), t_)
         batch, h = b.sdiv(pair, heads), b.srem(pair, heads)
         kv = b.sdiv(h, group)  # grouped heads: `group` query heads share a key and value head
         base = []
@@ -193,7 +201,8 @@ def _entry(module: ll.Module, kind: int) -> None:
             size = 1 if j == 4 and kind == 1 else 4  # a boolean mask's elements are bytes
             base.append(b.gep(p, [b.mul(offset, I64(size))], source_etype=ll.IntType(8)))
         args = [x for pair_ in zip(base, (strides[3 * j + 2] for j in range(5))) for x in pair_]
-        b.call(head, [*args, t_, s, d, scale, causal, scratch, scores])
+        _pack_keys(b, args[2], args[3], s, d, scratch)  # (once per pair and thread)
+        b.call(head, [*args, first, end, s, d, scale, causal, scratch, scores])
     b.call(free, [scratch])
     b.ret_void()
 

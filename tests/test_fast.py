@@ -849,13 +849,21 @@ def _sdpa(q, k, v, **kw):
 @pytest.mark.parametrize("tokens_first", [False, True])
 @pytest.mark.parametrize(
     "b, h, t, s, d",
-    [(1, 1, 1, 1, 32), (2, 3, 7, 5, 32), (1, 2, 33, 33, 64), (4, 2, 64, 64, 64), (1, 4, 70, 100, 96), (0, 2, 5, 5, 32)],
+    [
+        (1, 1, 1, 1, 32),
+        (2, 3, 7, 5, 32),
+        (1, 3, 9, 9, 32),
+        (1, 2, 33, 33, 64),
+        (4, 2, 64, 64, 64),
+        (1, 4, 70, 100, 96),
+        (0, 2, 5, 5, 32),
+    ],
 )
 def test_attention_is_native_in_fast_mode(b, h, t, s, d, tokens_first, causal, n, threads):
     """attention.py's kernel: queries and keys of any count (blocks of 6 queries, panels of 32
     keys and their remainders), head sizes of 32-96, several batches and heads or none,
-    both layouts, causal or not (more queries than keys too), 1 and 2 threads, within the
-    contract."""
+    both layouts, causal or not (more queries than keys too), 1 and 2 threads (whose split of
+    the rows falls inside a head at [1, 3, 9, 9]), within the contract."""
     threads(n)
     torch.manual_seed(0)
     q, k, v = _qkv(b, h, t, s, d, tokens_first)

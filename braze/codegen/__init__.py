@@ -460,13 +460,13 @@ class ModuleBuilder(GemmEmitter):
             kb.call(fn, [*ptrs, bias, y, *dims_, *window, has_bias, lo, hi, *(self.dim(kb, tbl, d) for d in few)])
 
     def _attention(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """attention.py's kernel over the (batch, head) pairs, split between threads."""
+        """attention.py's kernel over the (batch, head, query) rows, split between threads."""
         from .. import attention  # built on this module's helpers
 
         operands = [self.slot_of(name) for name in (*k.inputs[:3], k.name)]
         (batch, heads, queries, d), (kv_heads, keys) = k.meta.shape, operands[1].meta.shape[1:3]
         mask = self.slot_of(k.inputs[3]) if k.attrs["mask"] else None
-        with self._ranged(b, table, "attention", k.meta.numel, batch * heads) as (kb, tbl, lo, hi):
+        with self._ranged(b, table, "attention", k.meta.numel, batch * heads * queries) as (kb, tbl, lo, hi):
             fn = self.kernel(attention, attention.NAMES[k.attrs["mask"]], attention.ARGS)
             dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             ptrs = [self.pointer(kb, tbl, a) for a in operands]
