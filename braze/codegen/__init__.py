@@ -449,7 +449,10 @@ class ModuleBuilder(GemmEmitter):
         rows = math.prod((out.shape[0], out.shape[2]))
         name = directconv.DEPTHWISE if k.attrs["depthwise"] else directconv.FEW
         few = () if k.attrs["depthwise"] else (x.shape[1],)  # its input channels
-        with self._ranged(b, table, "conv", out.numel, rows) as (kb, tbl, lo, hi):
+        # split by multiply-adds, not outputs: ConvNeXt's 7 x 7 depthwise ones of 7 x 7 and 14 x 14
+        # pixels (16-31 K outputs, 49 each) ran on one thread while the other waited
+        work = out.numel * math.prod(k.attrs["kernel"]) * math.prod(few)
+        with self._ranged(b, table, "conv", work, rows) as (kb, tbl, lo, hi):
             ptrs = [self.pointer(kb, tbl, self.slot_of(v)) for v in k.inputs[:2]]
             bias = self.pointer(kb, tbl, self.slot_of(k.inputs[2])) if len(k.inputs) > 2 else ll.Constant(PTR, None)
             y = self.pointer(kb, tbl, self.slot_of(k.name))
