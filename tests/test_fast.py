@@ -237,6 +237,30 @@ def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
     assert sum(len(c.compilations) for c in calls) == 1  # packed again, not compiled again
 
 
+@pytest.mark.parametrize("rows", [1, 3, 15])
+@pytest.mark.parametrize("n", [1, 2])
+@torch.no_grad()
+def test_few_rows_by_a_large_weight_are_the_kernels_on_its_packed_panels(rows, n, threads):
+    """A classifier's product of one image (MKL's gemv on one thread) is braze's kernel on the
+    kept panels, split between the threads: within the contract, NaN kept, repacked on a change;
+    a small weight stays MKL's."""
+    threads(n)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(), nn.Linear(1024, 1000), nn.Linear(1000, 7)).eval()
+    x = torch.randn(rows, 576)
+    compiled = braze.compile(model, mode="fast")
+    assert _within(compiled, model, x)
+    (prog,) = compiled.programs()
+    gemms = [node for node in prog.graph.nodes if node.op is Op.GEMM]
+    assert [node.attrs["own_kernel"] for node in gemms] == [1, 1, 0]  # (1000 x 7: 7 K weights)
+    assert _packs(compiled) == [2]
+    x[0, 5] = float("nan")
+    assert torch.equal(compiled(x).isnan(), model(x).isnan())
+    model[0].weight.mul_(-1.0)
+    assert _within(compiled, model, x.nan_to_num())
+    assert sum(p.repacks for p in compiled.programs()) == 1
+
+
 @torch.no_grad()
 def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
     # (an optimizer's steps between calls): each change is one slow call and a pack, until the

@@ -120,9 +120,9 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: 
         raise NotNative("layout ATen copies before its GEMM")
     inputs = (m1.name, m2.name, bias.name if bias is not None and beta != 0 else None)
     beta = float(beta) if bias is not None else 0.0
-    own = own_kernel(args, beta)
-    one = not own and _one_thread(args, beta)
     kept = _kept_pack(lw, weight, args)
+    own = own_kernel(args, beta, packed="pack" in kept)
+    one = not own and _one_thread(args, beta)
     return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one, **kept, **attrs)
 
 
@@ -145,16 +145,19 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
     return {"pack": fast.GemmPack(real), "pack_source": source}
 
 
-def own_kernel(blas: dict[str, Any], beta: float) -> int:
+def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
     """From how many rows gemmkernel's kernel computes this GEMM in place of sgemm_ (0: never):
     X @ W with W [K, N] (GPT-2's Conv1D, matmul by a weight) or [N, K] (linear's), where MKL's
-    path is the one the kernel reproduces and its probe at this shape gives ATen's bits. A
-    generic program's row count may vary: the call checks it."""
+    path is the one the kernel reproduces and its probe at this shape gives ATen's bits; and
+    in fast mode (`packed`: the weight's panels kept, _kept_pack) a few rows by a large weight,
+    whatever MKL's bits. A generic program's row count may vary: the call checks it."""
     if not config.own_gemm or not blas["swap"] or blas["tb"] or beta not in (0.0, 1.0):
         return 0
     m, n, k = blas["n"], blas["m"], blas["k"]  # rows, columns, depth (BLAS sees the transpose)
     if not (isinstance(n, int) and isinstance(k, int)) or n < gemmkernel.MIN_N or k < gemmkernel.MIN_K:
         return 0
+    if packed and isinstance(m, int) and m < gemmkernel.MIN_ROWS and n * k >= FEW_ROWS_WEIGHT:
+        return 1
     # Smaller GEMMs stay MKL's, on one thread where that gives the same bits (config)
     rows = max(gemmkernel.MIN_ROWS * jit.mkl_threads(), -(-config.one_thread_gemm_flops // (2 * n * k)))
     if isinstance(m, int) and m < rows:
@@ -166,6 +169,12 @@ def own_kernel(blas: dict[str, Any], beta: float) -> int:
     probes = {(rows, k, n), (min(own_rows, max(rows, PROBE_MACS // (n * k))), k, n)}
     return rows if gemmkernel.same(tuple(probes), linear=blas["ta"]) else 0
 
+
+# Fast mode: from this many weights (256 KB) a product of a few rows is the kernel's on packed
+# panels split between the threads, not MKL's gemv on one thread: memory-bound, it then reads the
+# weight at both cores' speed (MobileNet-V3-small's classifier, 576 -> 1024 -> 1000 for one image:
+# MKL's sgemv was 23% of its fast calls)
+FEW_ROWS_WEIGHT = 1 << 16
 
 PROBE_MACS = 1 << 26  # the most multiply-adds of a probe at a GEMM's own rows (~10 ms)
 

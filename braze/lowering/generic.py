@@ -138,7 +138,7 @@ def _fit(
     for node in generic.graph.nodes:
         if node.op is Op.GEMM:
             node.attrs["one_thread_sizes"] = one_thread_sizes(node.attrs["blas"], node.attrs["beta"], tuple(lo))
-            node.attrs["own_kernel"] = own_kernel(node.attrs["blas"], node.attrs["beta"])
+            node.attrs["own_kernel"] = own_kernel(node.attrs["blas"], node.attrs["beta"], "pack" in node.attrs)
     return generic, Family(tuple(tuple(p) for p in places), tuple(lo), _largest(generic.graph, lo))
 
 
