@@ -4,11 +4,11 @@ causal or not, with a boolean or additive float mask or none, built once per pro
     braze_attention[_bool|_float](q, k, v, out, mask, H, group, T, S, d,
                     <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi)
 
-for the rows [lo, hi) of all (batch, head, query) rows (codegen splits them evenly between
-threads: split by (batch, head) pair, ViT-Tiny's three heads kept one thread waiting a third of
-the time); `group` query heads share each key and value head (grouped-query attention). Per pair
-a thread has rows of: k is packed into panels of 32 keys (gathers of 16), then per block of 6 of
-its queries the scores q k^T come from a register-blocked
+for the rows [lo, hi) of the (batch, head, query) rows, which codegen splits evenly between
+threads (split by (batch, head) pair, ViT-Tiny's three heads kept one of two threads waiting a
+third of the time); `group` query heads share each key and value head (grouped-query attention).
+For each pair with rows in the range: k is packed into panels of 32 keys (gathers of 16), then
+per block of 6 of those queries the scores q k^T come from a register-blocked
 kernel (12 AVX-512 accumulators: per head dimension one broadcast of q per row, two vector loads
 of the panel), each row's softmax is taken unnormalised (its max, Sleef's exp of score * scale
 (+ mask) - max, their sum: 16-lane trees; as in ATen's kernel NaN scores do not count in the max,

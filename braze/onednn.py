@@ -22,8 +22,9 @@ KERNEL = "braze_onednn_gelu"
 
 
 def run(x: torch.Tensor) -> torch.Tensor:
-    """braze's gelu of a contiguous float32 tensor (for the probe and tests)."""
-    return run_elementwise(KERNEL, gelu_erf, x)
+    """braze's gelu of a contiguous float32 tensor (for the probe and tests), at each width its
+    loops take."""
+    return run_elementwise(KERNEL, gelu_erf, x, wide=True)
 
 
 def why_not_gelu() -> str | None:
@@ -51,7 +52,7 @@ def _same(threads: int) -> bool:  # threads: in the cache key
     normal = torch.randn(5, 20000, generator=gen) * torch.tensor([0.01, 0.3, 1.0, 3.0, 10.0]).view(5, 1)
     x = torch.cat([edges, -edges, special, normal.view(-1)])
     x = x[torch.randperm(x.numel(), generator=gen)]
-    for n in (2, 7, 8, 9, 17, 33, x.numel()):
+    for n in (2, 7, 8, 9, 16, 17, 25, 33, x.numel()):  # (16 lanes, 8, one: each alone and after another)
         if not jit.same_bits(run(x[:n]), torch.nn.functional.gelu(x[:n]), nan_payloads=False):
             return False
     return True

@@ -100,7 +100,7 @@ class Segment:
     kernels: list[Node]
 
 
-def _width(body: list[Node], inner: Dim | ll.Value) -> int:
+def _width(body: list[Node], inner: int | ll.Value) -> int:
     """A vectorised loop's lanes: 16 for a body with oneDNN's GELU, whose six table lookups are
     AVX-512 permutes that 8-lane vectors widen and narrow again (the GELU alone 0.53 vs 0.31 ns an
     element; each lane's bits are the same at any width), where the inner loop has 16 elements
@@ -110,21 +110,24 @@ def _width(body: list[Node], inner: Dim | ll.Value) -> int:
     return 2 * WIDTH if not isinstance(inner, int) or inner >= 2 * WIDTH else WIDTH
 
 
-def run_elementwise(name: str, element: Element, x: torch.Tensor) -> torch.Tensor:
-    """element (a per-lane function: gelu_erf, mkl_tanh) over a contiguous float32 tensor, WIDTH
-    lanes at a time, then one at a time (the two widths braze's loops compute it at), by the
-    kernel `name`, built once per process: for the probes and tests of such functions."""
+def run_elementwise(name: str, element: Element, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """element (a per-lane function: gelu_erf, mkl_tanh) over a contiguous float32 tensor, (with
+    `wide`) 2 WIDTH lanes at a time, then WIDTH, then one at a time (the widths braze's loops
+    compute it at: _width), by the kernel `name`, built once per process: for the probes and
+    tests of such functions."""
 
     def write(module: ll.Module) -> None:
         f = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64]), name)
         src, dst, n = f.args
         b = ll.IRBuilder(f.append_basic_block("entry"))
         at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
-        body_end = b.and_(n, I64(-WIDTH))
-        with counted_loop(b, I64(0), body_end, WIDTH) as i:
-            b.store(element(b, b.load(at(src, i), typ=ll.VectorType(F32, WIDTH), align=4)), at(dst, i), align=4)
-        with counted_loop(b, body_end, n) as i:
-            b.store(element(b, b.load(at(src, i), typ=F32)), at(dst, i))
+        start = I64(0)
+        for width in (2 * WIDTH, WIDTH, 1) if wide else (WIDTH, 1):
+            end = b.and_(n, I64(-width))
+            with counted_loop(b, start, end, width) as i:
+                ty = ll.VectorType(F32, width) if width > 1 else F32
+                b.store(element(b, b.load(at(src, i), typ=ty, align=4)), at(dst, i), align=4)
+            start = end
         b.ret_void()
 
     kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(jit.kernel(name, write))
