@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import braze
-from braze import fast, winograd
+from braze import fast, gemmkernel, winograd
 from braze.accuracy import measure
 from braze.ir import Op
 
@@ -608,6 +608,22 @@ class _ConvThenView(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
         return self.head(y.view(y.size(0), -1))  # a view eager's NCHW layout allows
+
+
+@pytest.mark.parametrize("out, cin", [(16, 16), (64, 64), (33, 17), (257, 7)])
+def test_the_winograd_weight_is_g_g_gt_in_float64_packed_as_gemmkernels(out, cin):
+    """transformed: each of the 16 matrices of G g G^T (float64, rounded once) as gemmkernel.pack
+    lays out a weight (zeros past it), bit for bit, special values included."""
+    torch.manual_seed(0)
+    w = torch.randn(out, cin, 3, 3)
+    w[0, 0, 1, 1], w[-1, -1, 0, 0], w[0, -1, 2, 2] = float("inf"), float("nan"), -0.0
+    g = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    u = torch.einsum("ik,ockl,jl->ijoc", g, w.double(), g).reshape(16, out, cin).float()
+    size = gemmkernel.packed_numel(out, cin)
+    want = torch.empty(16 * size)
+    for i in range(16):
+        gemmkernel.pack(u[i], want[i * size : (i + 1) * size])
+    assert torch.equal(winograd.transformed(w).view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("n", [1, 2])
