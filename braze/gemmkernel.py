@@ -250,13 +250,14 @@ def packed_numel(n: int, k: int) -> int:
 
 
 def pack(w: torch.Tensor, out: torch.Tensor) -> None:
-    """Linear's weight w [N, K] into `out` (packed_numel floats) as _panel_nk packs a panel per
-    call: 32-column panels one after another, each packed_depth(K) rows of 32, zero-padded."""
-    (n, k), kp = w.shape, packed_depth(w.shape[1])
-    panels = -(-n // NR)
-    padded = torch.zeros(panels * NR, kp)
-    padded[:n, :k] = w
-    out.view(panels, kp, NR).copy_(padded.view(panels, NR, kp).transpose(1, 2))
+    """Linear's weight w [N, K] (or a stack of them, [..., N, K], one after another) into `out`
+    (packed_numel floats each) as _panel_nk packs a panel per call: 32-column panels one after
+    another, each packed_depth(K) rows of 32, zero-padded."""
+    *lead, n, k = w.shape
+    rows, kp = -(-n // NR) * NR, packed_depth(k)
+    if (rows, kp) != (n, k):
+        w = torch.nn.functional.pad(w, (0, kp - k, 0, rows - n))
+    out.view(*lead, rows // NR, kp, NR).copy_(w.reshape(*lead, rows // NR, NR, kp).transpose(-1, -2))
 
 
 def _panel_packed(

@@ -70,16 +70,15 @@ _KRON = torch.kron(_G, _G)  # [16, 9]: vec(G g G^T) = (G (x) G) vec(g), both row
 
 def transformed(weight: torch.Tensor) -> torch.Tensor:
     """The weight [O, C, 3, 3] as the kernel reads it: G g G^T in float64, rounded once, as 16
-    [O, C] matrices (one per product), each laid out as gemmkernel.pack lays out a weight. One
-    float64 product for all channel pairs and one copy into the panels: ResNet-18's 26 transforms
-    while compiling (some packed again as a BatchNorm joins the call) took 0.34-0.36 s as 16
-    einsum slices and 16 packs each, 0.19-0.20 s so (the same bits)."""
-    (o, c), nr = weight.shape[:2], gemmkernel.NR
-    rows, depth = -(-o // nr) * nr, gemmkernel.packed_depth(c)
+    [O, C] matrices (one per product), packed by gemmkernel.pack. One float64 product for all
+    channel pairs and one pack of the 16: ResNet-18's 26 transforms while compiling (some packed
+    again as a BatchNorm joins the call) took 0.34-0.36 s as 16 einsum slices and 16 packs each,
+    0.19-0.20 s so (the same bits)."""
+    o, c = weight.shape[:2]
     u = (weight.detach().double().reshape(o, c, 9) @ _KRON.t()).float()  # [O, C, 16]
-    if (rows, depth) != (o, c):  # panels of 32 rows, depth in 16s: zeros past the weight
-        u = torch.nn.functional.pad(u, (0, 0, 0, depth - c, 0, rows - o))
-    return u.view(rows // nr, nr, depth, 16).permute(3, 0, 2, 1).contiguous().view(-1)
+    out = torch.empty(16 * gemmkernel.packed_numel(o, c))
+    gemmkernel.pack(u.permute(2, 0, 1), out)
+    return out
 
 
 def _input_transform(b: ll.IRBuilder, d: list[list[ll.Value]]) -> list[ll.Value]:
