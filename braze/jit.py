@@ -663,24 +663,35 @@ METH_FASTCALL, METH_KEYWORDS = 0x80, 0x02
 
 
 class _MethodDef(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("meth", ctypes.c_void_p), ("flags", ctypes.c_int), ("doc", ctypes.c_char_p)]
+    _fields_ = [("name", ctypes.c_void_p), ("meth", ctypes.c_void_p), ("flags", ctypes.c_int), ("doc", ctypes.c_char_p)]
 
 
 _new_cfunction = ctypes.pythonapi.PyCFunction_NewEx
 _new_cfunction.restype = ctypes.py_object
 _new_cfunction.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.c_void_p]
+_raw_malloc = ctypes.pythonapi.PyMem_RawMalloc
+_raw_malloc.restype = ctypes.c_void_p
+_raw_malloc.argtypes = [ctypes.c_size_t]
 
 
-# Like the machine code they point at, method definitions live until the process exits.
-_method_defs: list[_MethodDef] = []
+def _kept(data: bytes) -> int:
+    """The address of a copy of `data` in memory that is never freed. A builtin function's method
+    definition must outlive the function: CPython reads it when freeing the function, which at
+    exit can be after this module's objects are gone (a definition held by a ctypes object here
+    was freed first, and the interpreter crashed at exit in about 1 run in 6)."""
+    address = _raw_malloc(len(data))
+    if not address:
+        raise MemoryError
+    ctypes.memmove(address, data, len(data))
+    return address
 
 
 def pyfunction(address: int, name: str, keywords: bool, owner: Any) -> Any:
     """A Python builtin function calling native `address` with CPython's vectorcall convention:
     (owner, args, nargs) or, with `keywords`, (owner, args, nargs, kwnames). The function keeps
-    `owner` alive as its `self`.
+    `owner` alive as its `self`; its definition, like the machine code it points at, lives until
+    the process exits.
     """
     flags = METH_FASTCALL | (METH_KEYWORDS if keywords else 0)
-    mdef = _MethodDef(name.encode(), address, flags, None)
-    _method_defs.append(mdef)
-    return _new_cfunction(ctypes.addressof(mdef), owner, None)
+    mdef = _MethodDef(_kept(name.encode() + b"\0"), address, flags, None)
+    return _new_cfunction(_kept(bytes(mdef)), owner, None)

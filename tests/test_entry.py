@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import resource
+import subprocess
 import sys
 
 import pytest
@@ -378,3 +379,21 @@ def test_large_kept_scratch_goes_on_huge_pages(threshold):
     assert sum(prog.layout.scratch_bytes.values()) >= 1 << 20 and words[W["kept"]]
     huge = words[W["kept"]] % (2 << 20) == 0 and words[W["capacity"]] >= 1 << 18
     assert huge or not threshold
+
+
+_TEARDOWN = """
+import ctypes, gc
+from braze import jit
+f = jit.pyfunction(ctypes.cast(ctypes.pythonapi.Py_IncRef, ctypes.c_void_p).value, "braze_probe_fn", False, None)
+vars(jit).clear()  # what the interpreter does to modules at exit, before the last objects go
+gc.collect()
+junk = [bytes([i % 251]) * n for i in range(20000) for n in (13, 31, 47)]  # reuses freed memory
+print(f.__name__)
+"""
+
+
+def test_a_native_functions_definition_outlives_the_module_that_made_it():
+    # CPython reads a builtin function's method definition when it frees the function, which at
+    # exit can come after braze.jit's own objects are gone: the definition must not be one of them
+    proc = subprocess.run([sys.executable, "-c", _TEARDOWN], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "braze_probe_fn"), proc.stderr[-2000:]
