@@ -382,6 +382,26 @@ def test_convolutions_fold_batch_norm_and_relu_within_the_contract(scale, shape)
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize("build", ["cnn", "resnet_block"])
+def test_each_convolution_is_packed_once_while_compiling(build, monkeypatch):
+    """Its batch_norm folded in first (it was packed twice: alone, then folded), and its example
+    value laid out as the packed call's, so the program is not compiled again."""
+    model, shape = (_cnn(), (2, 5, 16, 16)) if build == "cnn" else (_resnet_block(), (1, 8, 15, 9))
+    packs = []
+    for kind in (fast.PackedConv, fast.PackedWinograd):
+        monkeypatch.setattr(kind, "_pack", lambda self, *t, _pack=kind._pack: packs.append(self) or _pack(self, *t))
+    compiled = braze.compile(model, mode="fast")
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+        assert _within(compiled, model, x)
+    fns = [n.attrs.get("fn") for p in compiled.programs() for n in p.graph.nodes]
+    calls = [fn for fn in fns if isinstance(fn, fast.PackedConv)]
+    assert len(calls) == 3 and sorted(map(id, packs)) == sorted(map(id, calls)), (packs, calls)
+    assert len(compiled.compilations) == 1
+
+
 @torch.no_grad()
 def test_changed_statistics_and_weights_are_folded_again():
     model = _cnn()

@@ -77,12 +77,23 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
             lw.real[sym.name] = real.contiguous(memory_format=torch.channels_last)
         return sym
     if _winograd(x, w, out, stride, dilation, groups):
-        packed = fast.PackedWinograd(padding, stride, dilation, groups, list(x.meta.shape))
+        packed: fast.PackedConv = fast.PackedWinograd(padding, stride, dilation, groups, list(x.meta.shape))
         why = "fast mode: Winograd's F(2 x 2, 3 x 3) (winograd.py), 2.25x fewer multiplications"
-        return packed_extern(lw, packed, (x, w, b), "conv2d (Winograd, braze's kernel)", why)
-    packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
-    why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
-    return packed_extern(lw, packed, (x, w, b), "conv2d (oneDNN, packed weight)", why)
+        label = "conv2d (Winograd, braze's kernel)"
+    else:
+        packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
+        why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
+        label = "conv2d (oneDNN, packed weight)"
+    # Its example value without packing, eager's: a batch_norm after it, folded into its weight,
+    # has it packed again (fold_batch_norm; ResNet-18's 13 Winograd convolutions were transformed
+    # 26 times); it is packed once the lowering ends, or when an op after it becomes part of it
+    y = lw.eager_out
+    if not isinstance(y, torch.Tensor):
+        y = F.conv2d(*lw.live((x, w, b)), stride=stride, padding=padding, dilation=dilation, groups=groups)
+    real = torch.empty(y.shape, memory_format=torch.channels_last).copy_(y)  # laid out as the call's
+    sym = packed_extern(lw, packed, (x, w, b), label, why, real)
+    lw.deferred[sym.name] = lambda: packed(*lw.live((x, w, b)))
+    return sym
 
 
 # winograd.py's kernel from this many input and output channels: below, its transforms cost
@@ -366,6 +377,7 @@ def _replace(lw: Lowerer, at: int, args: tuple, more: str) -> Sym:
     # last: after the nodes of its new operands (nothing read its result yet)
     del lw.nodes[at]
     lw.nodes.append(dataclasses.replace(node, inputs=inputs, attrs={**node.attrs, "args": args, "why": why}))
+    lw.deferred.pop(node.name, None)
     real = node.attrs["fn"](*lw.live(args))
     lw.real[node.name] = real
     return Sym(node.name, to_meta(real))

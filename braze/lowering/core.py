@@ -116,6 +116,12 @@ class Lowerer:
         self.called: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.real: dict[str, Any] = {}  # example value of each Sym (see example())
+        # Calls whose example value is a stand-in until the lowering ends: each is then made on
+        # the examples, replacing it (fast mode's packed convolutions: lowering/conv.py)
+        self.deferred: dict[str, Callable[[], Any]] = {}
+        # eager's result of the call being lowered, on the examples (None where a meta rule gave
+        # its layout without running it)
+        self.eager_out: Any = None
 
     # --- building IR -------------------------------------------------------------------------
     def emit(self, op: Op, inputs: tuple[Operand, ...], meta: Any, prefix: str = "v", **attrs: Any) -> Sym:
@@ -295,6 +301,7 @@ class Lowerer:
                 self._layout_read(syms)
                 return out  # sizes, dtypes, ...: constants of this specialisation
             # .item(), .tolist(), arithmetic on their results: values of the call, read each call
+        self.eager_out = out_real
         emitted = len(self.nodes)
         sizes = _among(fn, DETERMINISTIC) and all(v.name in self.sizes_only for v in _syms(args, kwargs))
         result = self._native_or_extern(fn, args, kwargs, key, label, out, sizes)
@@ -384,6 +391,8 @@ class Lowerer:
         return all(v.name == view.name or self.owner(v.name) != owner for v in values)
 
     def _finish(self, out_node: torch.fx.Node, n_args: int) -> Lowered:
+        for name, call in self.deferred.items():
+            self.real[name] = call()
         result = self._load(out_node.args[0])
         if self.fast:
             result = self._in_eager_layouts(result)
