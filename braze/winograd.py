@@ -71,9 +71,9 @@ _KRON = torch.kron(_G, _G)  # [16, 9]: vec(G g G^T) = (G (x) G) vec(g), both row
 def transformed(weight: torch.Tensor) -> torch.Tensor:
     """The weight [O, C, 3, 3] as the kernel reads it: G g G^T in float64, rounded once, as 16
     [O, C] matrices (one per product), packed by gemmkernel.pack. One float64 product for all
-    channel pairs and one pack of the 16: ResNet-18's 26 transforms while compiling (some packed
-    again as a BatchNorm joins the call) took 0.34-0.36 s as 16 einsum slices and 16 packs each,
-    0.19-0.20 s so (the same bits)."""
+    channel pairs and one pack of the 16: ResNet-18's 26 transforms while compiling (then
+    packed twice where a BatchNorm joined the call) took 0.34-0.36 s as 16 einsum slices and 16
+    packs each, 0.19-0.20 s so (the same bits)."""
     o, c = weight.shape[:2]
     u = (weight.detach().double().reshape(o, c, 9) @ _KRON.t()).float()  # [O, C, 16]
     out = torch.empty(16 * gemmkernel.packed_numel(o, c))
