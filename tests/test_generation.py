@@ -38,6 +38,28 @@ def test_greedy_generate_matches_eager_with_bounded_compilations():
     assert compilations <= 4, [c.why for sub in compiled._subgraphs for c in sub.compilations]
 
 
+def test_batched_generate_with_a_padding_mask_compiles_a_bounded_number_of_times():
+    """Each decode step reads the padding mask (the whole sequence) at positions up to the cache's
+    length: the generic program's grid keeps the mask the longer, else every step compiled a
+    program of its own (more steps than the cache holds: each generate compiled them all again)."""
+    model, eager = tiny_gpt2(), tiny_gpt2()
+    compiled = braze.compile(model.forward)
+    model.forward = compiled
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second sequence left-padded
+    counts = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", braze.BrazeWarning)
+        want = eager.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        for _ in range(2):
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want)
+            counts.append(sum(len(sub.compilations) for sub in compiled._subgraphs))
+    whys = [c.why for sub in compiled._subgraphs for c in sub.compilations]
+    assert counts[0] <= 4 and counts[1] == counts[0], whys
+
+
 def test_bert_keyword_calls_of_many_sizes():
     torch.manual_seed(0)
     config = transformers.BertConfig(

@@ -81,12 +81,28 @@ def lower_generic(
         raise NotGeneric("an argument of changing size is not contiguous")
     runs: dict[tuple[int, ...], tuple[Any, list[int], Lowered]] = {}
     smallest_seen = [max(min(p[j] for p in seen), 2) for j in range(len(places))]
-    try:
-        return _fit(captured, args, places, seen, [2] * len(places), runs)
-    except (NotGeneric, Undecided):
-        if smallest_seen == [2] * len(places):
-            raise
-    return _fit(captured, args, places, seen, smallest_seen, runs)
+    tries = list(dict.fromkeys([(2,) * len(places), tuple(smallest_seen), *_ordered(args, places)]))
+    for k, starts in enumerate(tries):
+        try:
+            return _fit(captured, args, places, seen, list(starts), runs)
+        except (NotGeneric, Undecided):
+            if k == len(tries) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _ordered(args: tuple[Any, ...], places: Sequence[Sequence[Place]]) -> list[tuple[int, ...]]:
+    """Two symbols of different sizes in this call: a grid that keeps the larger one larger (it
+    grows from its size, the other shrinks to its own). A decode step of Hugging Face's generate
+    reads its padding mask (the whole sequence's length) at positions up to the cache's length,
+    which the mask's exceeds: at the sizes of a grid where the cache is the longer, lowering
+    fails, and every step compiled a program of its own."""
+    if len(places) != 2:
+        return []
+    a, b = (size_at(args, ps[0]) for ps in places)
+    if not (isinstance(a, int) and isinstance(b, int)) or a == b or min(a, b) - dims.DEGREE < 2:
+        return []
+    return [(a, b - dims.DEGREE) if a > b else (a - dims.DEGREE, b)]
 
 
 def _fit(
