@@ -40,6 +40,7 @@ from .codegen import (
     lanes_below,
     masked_load,
     masked_store,
+    pieces,
     smaller,
     splat,
 )
@@ -188,11 +189,7 @@ def _entry(module: ll.Module, kind: int) -> None:
     scores = b.gep(scratch, [b.mul(spad, d)], source_etype=F32)
     rows = b.select(b.icmp_signed(">", t_, I64(1)), t_, I64(1))  # (T, or 1 where T is 0: no rows)
     # the pairs with rows in [lo, hi), each from its first row there to its last
-    with counted_loop(b, b.sdiv(lo, rows), b.sdiv(b.add(hi, b.sub(rows, I64(1))), rows)) as pair:
-        start = b.mul(pair, rows)
-        first = b.sub(lo, start)
-        first = b.select(b.icmp_signed(">", first, I64(0)), first, I64(0))
-        end = smaller(b, b.sub(hi, start), t_)
+    with pieces(b, lo, hi, rows) as (pair, _, first, end):
         batch, h = b.sdiv(pair, heads), b.srem(pair, heads)
         kv = b.sdiv(h, group)  # grouped heads: `group` query heads share a key and value head
         base = []

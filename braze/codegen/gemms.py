@@ -10,7 +10,7 @@ import llvmlite.ir as ll
 
 from ..dims import Dim
 from ..ir import Node, Op, TensorMeta
-from .loops import F32, I8, I32, I64, PTR, Access, counted_loop, smaller
+from .loops import F32, I8, I32, I64, PTR, Access, counted_loop, pieces, smaller
 
 
 class Epilogue(NamedTuple):
@@ -163,11 +163,7 @@ class GemmEmitter:
                 if images == 1:
                     kb.call(fn, [*inputs, out, ld["ldc"], first, ldi, width, I64(kk), *rows, I64(chunk)])
                 else:  # each image's rows in the range: its pixels [K, N] and product [M, N]
-                    with counted_loop(kb, kb.sdiv(lo, I64(m)), kb.sdiv(kb.add(hi, I64(m - 1)), I64(m))) as image:
-                        start = kb.mul(image, I64(m))
-                        first_row = kb.sub(lo, start)
-                        first_row = kb.select(kb.icmp_signed("<", first_row, I64(0)), I64(0), first_row)
-                        last_row = smaller(kb, kb.sub(hi, start), I64(m))
+                    with pieces(kb, lo, hi, I64(m)) as (image, start, first_row, last_row):
                         inputs[2] = at(weight, kb.mul(image, kb.mul(I64(kk), ldw)))
                         product = at(out, kb.mul(start, ld["ldc"]))
                         local = [first, ldi, width, I64(kk), first_row, last_row, I64(chunk)]

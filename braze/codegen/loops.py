@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import llvmlite.ir as ll
@@ -149,6 +150,22 @@ class counted_loop:  # lower case: it reads as a statement, `with counted_loop(.
         self.i.add_incoming(nxt, b.block)
         b.cbranch(b.icmp_signed("<", nxt, self.hi), self.head, self.exit)
         b.position_at_end(self.exit)
+
+
+@contextmanager
+def pieces(b: ll.IRBuilder, lo: ll.Value, hi: ll.Value, size: ll.Value) -> Iterator[tuple[ll.Value, ...]]:
+    """A loop over the pieces of `size` rows (> 0) one after another that rows [lo, hi) reach (a
+    thread's share of images, or of attention's (batch, head) pairs): each piece's index, its
+    first row, and the rows [first, end) of it inside [lo, hi), counted from that first row."""
+    with counted_loop(b, b.sdiv(lo, size), b.sdiv(b.add(hi, b.sub(size, I64(1))), size)) as piece:
+        start = b.mul(piece, size)
+        first = b.sub(lo, start)
+        yield (
+            piece,
+            start,
+            b.select(b.icmp_signed(">", first, I64(0)), first, I64(0)),
+            smaller(b, b.sub(hi, start), size),
+        )
 
 
 WIDTH = 8  # float32 lanes of an AVX2 register
