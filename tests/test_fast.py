@@ -12,6 +12,8 @@ from braze import fast, gemmkernel, winograd
 from braze.accuracy import measure
 from braze.ir import Op
 
+from .helpers import needs_mkl_order
+
 nn = torch.nn
 
 
@@ -208,6 +210,7 @@ def _packs(compiled) -> list[int]:
 @pytest.mark.parametrize("dynamo", [False, True])
 @torch.no_grad()
 def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
+    needs_mkl_order()
     torch.manual_seed(0)
     model = _Keywords().eval() if dynamo else nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
     layers = model.mlp if dynamo else model
@@ -263,6 +266,7 @@ def test_few_rows_by_a_large_weight_are_the_kernels_on_its_packed_panels(rows, n
 
 @torch.no_grad()
 def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
+    needs_mkl_order()
     # (an optimizer's steps between calls): each change is one slow call and a pack, until the
     # program is compiled again without packing that weight
     torch.manual_seed(0)
@@ -283,6 +287,7 @@ def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
 
 @torch.no_grad()
 def test_weights_without_a_version_counter_are_packed_per_call():
+    needs_mkl_order()
     with torch.inference_mode():  # an inference tensor has no version counter to watch
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()

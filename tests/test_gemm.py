@@ -14,7 +14,7 @@ import braze
 from braze import config
 from braze.ir import Op
 
-from .helpers import check_model
+from .helpers import check_model, needs_mkl_order
 
 DIMS = [1, 7, 33, 64, 257]
 
@@ -308,6 +308,7 @@ def test_the_probe_draws_float32_under_any_default_dtype(threads, monkeypatch):
 @pytest.mark.parametrize("n", [16, 33, 100])
 @pytest.mark.parametrize("layout", ["KN", "NK", "packed"])
 def test_own_kernel_matches_mkl_bit_for_bit(rows, k, n, layout, threads):
+    needs_mkl_order()
     # The kernel on its own, against eager's addmm and mm (linear, for a [N, K] weight, packed
     # per call or, as fast mode keeps it, once) on both thread counts: K across MKL's blocks of
     # 192 (and its halves below 384) and the 16 x 16 transposes, N across the 32-column panels,
@@ -349,6 +350,7 @@ def test_native_code_reads_a_tensors_version_where_python_does():
 @pytest.mark.parametrize("linear", [False, True], ids=["conv1d", "linear"])
 @pytest.mark.parametrize("n", [80, 300])
 def test_gemms_of_a_weight_run_braze_kernel(bias, linear, n, threads):
+    needs_mkl_order()
     # GPT-2's Conv1D (addmm(bias, x, W) with W [K, N]) and linear (W [N, K]), with a GELU
     # epilogue; 64 rows split between the threads, or 300 columns (in 32-column panels, the last
     # narrower). A bias row is read by the kernel; another bias is copied into the output first,
@@ -367,6 +369,7 @@ def test_gemms_of_a_weight_run_braze_kernel(bias, linear, n, threads):
 
 @pytest.mark.parametrize("linear", [False, True], ids=["conv1d", "linear"])
 def test_own_kernel_serves_every_row_count_of_a_generic_program(linear, threads):
+    needs_mkl_order()
     # Below 16 rows per MKL thread MKL takes another path: a generic program checks the row count
     # on each call and calls sgemm_ there. With linear's weight it splits columns between the
     # threads while there are fewer rows than columns (here up to 79), else rows.
@@ -396,6 +399,7 @@ def _epilogue_with_rows(fn, *inputs) -> bool:
 
 @pytest.mark.parametrize("tokens", [33, 64, 257])
 def test_epilogue_runs_on_each_threads_rows_right_after_them(tokens, threads):
+    needs_mkl_order()
     # A [K, N] weight splits the product's rows between the threads; each thread takes its rows
     # through the epilogue (tanh, a residual add) as soon as the kernel has them. A positional
     # term [T, N] makes the epilogue's loops [B, T * N], which do not follow the product's rows:
@@ -421,6 +425,7 @@ def test_epilogue_runs_on_each_threads_rows_right_after_them(tokens, threads):
 
 @pytest.mark.parametrize("depth,with_rows", [(64, True), (256, False)])
 def test_linear_with_an_epilogue_splits_rows_while_k_is_at_most_half_the_rows(depth, with_rows, threads):
+    needs_mkl_order()
     # linear's [N, K] weight with more columns than rows would split its panels; with an epilogue
     # that follows the rows it splits rows while 2 K <= M (each thread packs all of the weight, and
     # the epilogue runs on its rows). Also per call in a generic program.
@@ -451,6 +456,7 @@ def test_own_kernel_falls_back_to_sgemm_where_its_probe_disagrees(threads, monke
 
 
 def test_own_kernel_is_a_knob_and_skips_small_gemms(threads):
+    needs_mkl_order()
     threads(2)
     w = torch.randn(96, 80)
     with config.patch(own_gemm=False):
@@ -464,6 +470,7 @@ def test_own_kernel_is_a_knob_and_skips_small_gemms(threads):
 
 
 def test_own_kernel_programs_follow_the_thread_count(threads):
+    needs_mkl_order()
     # Probed at MKL's thread count: on another one a program that uses the kernel must not run
     # (MKL may split rows so that some take its other path); a second program compiles, with
     # its own probe (on three threads here it disagrees: MKL's own path), and the first runs
