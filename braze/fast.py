@@ -51,6 +51,13 @@ CALL_COST_S = 25e-6
 # against 1.02x). What loses in a model that wins alone (caches, the call, the fusion it
 # prevents) is not measured per GEMM; below this size the choice is not made.
 PACKED_MIN_MACS = 2**28
+# A convolution below this many multiply-adds stays ATen's own (eager's arithmetic, called from
+# native code): oneDNN's packed call costs ~30 us at the least (its primitive looked up per call),
+# where ATen's takes 7-26 us up to ~0.6 M (one image, 3 x 3 and 1 x 1 at 8-16 pixels, 1 and 2
+# threads, channels-last input: 0.61-0.80x the packed call's time; 1.2-2.4 M: 0.8-1.14x; 4.7 M and
+# up: 1.14-1.8x; 2 cores of an Intel Xeon, 2026-12-06). Hugging Face's small ResNet config (one
+# 32 x 32 image) ran 1.56-1.68x as fast so (fast mode 1.43-1.47x eager before, exact mode 2.46x).
+PACKED_CONV_MIN_MACS = 2**20
 
 
 def _stamp(tensors: tuple[Any, ...]) -> tuple[Any, ...]:

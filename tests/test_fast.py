@@ -792,6 +792,46 @@ def test_only_a_residual_of_the_results_shape_is_added_in_winograds_kernel(other
     assert "batch_norm folded" not in whys[0]
 
 
+_PACKED, _ATEN = "conv2d (oneDNN, packed weight)", "torch.conv2d"
+
+
+@pytest.mark.parametrize(
+    "batch, channels_last, groups, expected",
+    [
+        (1, True, 1, [_ATEN, _ATEN]),
+        (1, False, 1, [_PACKED, _ATEN]),  # the first's input is NCHW: ATen's result would be too
+        (2, True, 1, [_PACKED, _PACKED]),  # (ATen takes oneDNN, on a weight reordered per call)
+        (1, True, 2, [_PACKED, _ATEN]),  # (a grouped one: ATen takes oneDNN)
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("n", [1, 2])
+def test_small_convolutions_of_channels_last_pixels_are_atens(batch, channels_last, groups, expected, n, threads):
+    """Below ~1 M multiply-adds oneDNN's packed call costs more than ATen's own convolution where
+    ATen takes its own path (one image, one group, kernels up to 3 x 3): there it is ATen's,
+    called from native code, its result channels-last as the packed call's would be."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(16)
+    with torch.no_grad():
+        bn.running_var.uniform_(0.5, 2.0)
+    convs = [nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=groups), nn.Conv2d(16, 16, 3, stride=2, padding=1)]
+    # (a native loop last: a program returning an ATen call's result keeps a Python body)
+    model = nn.Sequential(convs[0], bn, nn.ReLU(), convs[1], nn.Hardtanh()).eval()
+    x = torch.randn(batch, 8, 17, 17)
+    x[0, 0, 0, 0], x[-1, -1, 5, 7] = float("nan"), float("-inf")
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    threads(n)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        out, ref = compiled(x), model(x)
+        assert measure(out, ref, copy.deepcopy(model).double()(x.double())).ok
+    assert out.stride() == ref.stride() and torch.equal(out.isnan(), ref.isnan())
+    (prog,) = compiled.programs()
+    assert [label for label, _ in prog.externs] == expected
+    assert prog.native == (_PACKED not in expected)  # ATen's calls are made from native code
+    assert braze.check_accuracy(model, x * 1e3).ok
+
+
 @pytest.mark.parametrize(
     "channels, kw",
     [(8, {}), (16, {"stride": 2}), (16, {"dilation": 2, "padding": 2}), (16, {"groups": 2}), (16, {"kernel_size": 5})],

@@ -80,6 +80,8 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         packed: fast.PackedConv = fast.PackedWinograd(padding, stride, dilation, groups, list(x.meta.shape))
         why = "fast mode: Winograd's F(2 x 2, 3 x 3) (winograd.py), 2.25x fewer multiplications"
         label = "conv2d (Winograd, braze's kernel)"
+    elif _small(x, w, out, groups):
+        return _aten_conv(lw, (x, w, b, stride, padding, dilation, groups))
     else:
         packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
         why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
@@ -93,6 +95,33 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     real = torch.empty(y.shape, memory_format=torch.channels_last).copy_(y)  # laid out as the call's
     sym = packed_extern(lw, packed, (x, w, b), label, why, real)
     lw.deferred[sym.name] = lambda: packed(*lw.live((x, w, b)))
+    return sym
+
+
+def _small(x: Sym, w: Sym, out: Any, groups: int) -> bool:
+    """Whether this convolution is too small for oneDNN's packed call (fast.PACKED_CONV_MIN_MACS)
+    and ATen computes it its own way (im2col and a GEMM), not with oneDNN on a weight reordered
+    per call (slower than the packed call): one image of at most 20,480 values, one group, a
+    kernel not larger than 3 x 3 both ways (ATen's `use_mkldnn`, Convolution.cpp; SegFormer's
+    8 x 8 ones ran 0.87x so, ShuffleNet-V2's grouped ones 0.94x). Of channels-last pixels only,
+    so that ATen's result is channels-last too, as the packed call's would be (on an NCHW input
+    it is NCHW, and what follows converts it: SegFormer 0.84-0.91x)."""
+    (n, *_), (kh, kw) = x.meta.shape, w.meta.shape[2:]
+    if groups != 1 or n != 1 or x.meta.numel() > 20480 or (kh > 3 and kw > 3) or not isinstance(out, torch.Tensor):
+        return False
+    return (
+        x.meta.permute(0, 2, 3, 1).is_contiguous()
+        and out.numel() * math.prod(w.meta.shape[1:]) < fast.PACKED_CONV_MIN_MACS
+    )
+
+
+def _aten_conv(lw: Lowerer, given: tuple) -> Sym:
+    """Fast mode: a small convolution (_small) as ATen's own, on the channels-last input."""
+    x, w, b, stride, padding, dilation, groups = given
+    real = F.conv2d(*lw.live((x, w, b)), stride=stride, padding=padding, dilation=dilation, groups=groups)
+    why = "fast mode: ATen's convolution; below ~1 M multiply-adds oneDNN's packed call costs more"
+    sym = lw.extern(torch.conv2d, given, {}, "torch.conv2d", why, to_meta(real))
+    lw.real[sym.name] = real
     return sym
 
 
