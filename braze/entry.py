@@ -78,6 +78,7 @@ class TensorCheck:
     # Sizes and strides as words (see `ref`), where a shape-generic program reads symbols: None
     # for the example's own.
     words: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    grad: int = -1  # requires_grad as compiled (0 or 1), checked in any grad mode; -1: see _check_tensor
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ _FIELDS = (
     "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks huge n_versions versions n_packs packs"
 ).split()
 W = {name: i for i, name in enumerate(_FIELDS)}
-TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty")
+TENSOR_WORDS = ("pos", "obj", "layout", "type", "keys", "dtype", "ndim", "sizes", "strides", "slot", "nonempty", "grad")
 MODULE_WORDS = ("obj", "expected", "lookup")  # lookup: 0 the instance dict, 1 getattr
 OWNER_WORDS = ("table", "name", "tensor")
 HOOK_WORDS = ("table", "count")
@@ -296,7 +297,7 @@ class Descriptor:
             self._held[i] = (x,)
             obj = id(x)
         layout = [self._ref(type(x)), 0, dtype_code(x.dtype), x.dim(), sizes, strides]  # keys: set_dispatch_state
-        return [t.pos, obj, int(t.layout), *layout, t.slot, int(x.numel() > 0)]
+        return [t.pos, obj, int(t.layout), *layout, t.slot, int(x.numel() > 0), t.grad]
 
     def _output(self, slot: int, meta: TensorMeta) -> list[int]:
         sizes, strides = self._shape(meta.shape, meta.stride)

@@ -193,6 +193,9 @@ class Program:
         self.param_names = [n.name for n in graph.nodes if n.op is Op.PARAM]
         self.params = [self.nodes[n].attrs["tensor"] for n in self.param_names]
         self._param_layouts = [_param_layout(p) for p in self.params]
+        # The parameters and arguments whose requires_grad it is for (of those it still reads)
+        present = {n.name for n in graph.nodes if n.op in (Op.PARAM, Op.INPUT)}
+        self.grad_read = {n: want for n, want in lowered.grad_read if n in present}
         self._owners = [guard.owners.get(id(p), ()) for p in self.params]  # (module's table, name)
         self._hooks = guard.hooks
         watched = [m.__dict__ for m in guard.layers if dict_version(m.__dict__) is not None]
@@ -247,6 +250,10 @@ class Program:
             return "a parameter is no longer registered where it was"  # set to None, or a tied one replaced
         if any(len(table) != n for table, n in self._hooks):
             return "a forward hook was added or removed"
+        indices = {n.name: n.attrs["index"] for n in self.graph.nodes if n.op is Op.INPUT}
+        given = {n: args[i] for n, i in indices.items()} | dict(zip(self.param_names, self.params))
+        if any(given[n].requires_grad != want for n, want in self.grad_read.items()):
+            return "a weight's requires_grad changed (ATen's matmul folds a batch where it is set)"
         if any(_attributes(d) != was for d, was in self._attributes):
             return ATTRIBUTE_CHANGED
         unpacked = self._repack(args)
@@ -347,13 +354,15 @@ class Program:
                 words = self._words(inputs[i].meta) if self.family is not None and i in inputs else None
                 layout = (words.shape, words.stride) if words is not None else None
                 record[inputs[i].name if i in inputs else None] = len(tensors)
-                tensors.append(entry.TensorCheck(a, i, read.get(i, -1), True, layout))
+                grad = int(self.grad_read[inputs[i].name]) if i in inputs and inputs[i].name in self.grad_read else -1
+                tensors.append(entry.TensorCheck(a, i, read.get(i, -1), True, layout, grad))
         first = len(tensors)  # the parameters' records follow the arguments'
         record |= {name: first + j for j, name in enumerate(self.param_names)}
         owners = tuple((table, name, first + i) for i, where in enumerate(self._owners) for table, name in where)
         for name, p in zip(self.param_names, self.params):
             natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
-            tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively))
+            grad = int(self.grad_read[name]) if name in self.grad_read else -1
+            tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively, grad=grad))
         ours = {id(p) for p in self.params}  # the rest, read by ATen calls: only requires_grad
         tensors += [entry.TensorCheck(p, -1, -1, False) for p in guard.params if id(p) not in ours]
         outs = [fresh[v] for v in lowered.out_leaves] if self.native else []

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import braze
 from braze import config
@@ -54,7 +55,7 @@ def test_linear_on_inputs_of_any_rank(rows, bias):
     w, b = torch.randn(12, 33), torch.randn(12) if bias else None
     check_model(lambda x: F.linear(x, w, b), (make(),), externs=0 if folds else 1)
     layer = torch.nn.Linear(33, 12, bias=bias).eval()  # a parameter requires grad: ATen folds anyway
-    check_model(layer, (make(),), externs=0 if folds else 1)
+    check_model(layer, (make(),), externs=0)
 
 
 @pytest.mark.parametrize("rows", list(ROWS))
@@ -77,6 +78,81 @@ def test_a_linear_aten_folds_because_its_weight_requires_grad_keeps_eagers_bits(
     x = torch.randn(5, 2, 7).transpose(0, 1)
     check_model(lambda t: layer(t) * 1, (x,))
     check_model(torch.nn.Sequential(layer, torch.nn.ReLU()), (x,))
+
+
+class _TokenMixing(torch.nn.Module):
+    """MLP-Mixer's token mixing: Linear layers across the tokens, of a transposed input."""
+
+    def __init__(self, tokens: int, hidden: int) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(tokens, hidden), nn.Linear(hidden, tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.gelu(self.fc1(self.norm(x).transpose(1, 2)))
+        return x + self.fc2(y).transpose(1, 2)
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 16), (3, 33, 16), (2, 17, 16)], ids=str)
+@pytest.mark.parametrize("n", [1, 2])
+@torch.no_grad()
+def test_a_linear_of_a_transposed_input_folds_where_its_weight_requires_grad(shape, n, threads):
+    """ATen's matmul folds a batch whose dimensions do not merge into one mm (through a
+    contiguous copy) where the weight requires grad, under no_grad too (should_fold), and runs a
+    bmm on the weight broadcast where it does not. Native GEMMs for the first, an ATen call for
+    the second; the entry checks the weight's requires_grad on every call: a change compiles
+    again, and changed back the first program serves."""
+    threads(n)
+    torch.manual_seed(0)
+    model = _TokenMixing(shape[1], 9).eval()
+    x = torch.randn(*shape)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    compiled = check_model(model, (x,), externs=0)
+    assert compiled.programs()[-1].native
+    model.fc1.weight.requires_grad_(False)
+    check_model(model, (x,), compiled=compiled, externs=1)
+    assert len(compiled.compilations) == 2 and "requires_grad changed" in compiled.compilations[-1].why
+    model.fc1.weight.requires_grad_(True)
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.compilations) == 2
+    model.fc1.weight = nn.Parameter(model.fc1.weight.detach().clone(), requires_grad=False)  # replaced
+    check_model(model, (x,), compiled=compiled)
+    assert len(compiled.compilations) <= 3
+
+
+@torch.no_grad()
+def test_a_weight_given_as_an_argument_folds_by_its_own_requires_grad():
+    """The same for a weight that comes as an argument (as TorchDynamo passes a model's
+    parameters): the entry checks the argument's requires_grad."""
+    w = torch.randn(5, 7, requires_grad=True)
+    x = torch.randn(3, 7, 2).transpose(1, 2)  # [3, 2, 7], its batch and rows do not merge
+
+    def fn(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.relu(F.linear(t, weight))
+
+    compiled = braze.compile(fn)
+    for weight, externs in ((w, 0), (w.detach(), 1), (w, 0)):  # (check_model's copies require no grad)
+        assert torch.equal(compiled(x, weight), fn(x, weight))
+        assert len(compiled.programs()[-1].externs) == externs
+    assert not torch.equal(fn(x, w), fn(x, w.detach()))  # (ATen's two paths: other sums)
+    assert "requires_grad changed" in compiled.compilations[-1].why and len(compiled.compilations) == 3
+
+
+class _Branching(_TokenMixing):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if x.shape[1] > 1 else x  # (torch.fx cannot trace the branch)
+
+
+@torch.no_grad()
+def test_token_mixing_captured_by_torchdynamo_folds_natively():
+    """A model torch.fx cannot trace is TorchDynamo's graph, whose arguments are its
+    parameters: their requires_grad decides, as for a module's own."""
+    torch.manual_seed(0)
+    model = _Branching(7, 9).eval()
+    x = torch.randn(2, 7, 16)
+    compiled = braze.compile(model)
+    assert torch.equal(compiled(x), model(x))
+    (graph,) = compiled._subgraphs
+    assert [p.externs for p in graph.programs()] == [[]] and graph.programs()[0].native
 
 
 def test_matmul_aten_does_not_run_as_a_gemm_runs_through_aten():

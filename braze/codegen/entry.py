@@ -385,7 +385,8 @@ class Runtime:
         require: Callable,
     ) -> None:
         """Tensor i's strides as compiled, and memory behind it (its data pointer goes into the
-        table); and, in grad mode, it does not require grad (autograd needs eager)."""
+        table); and, in grad mode, it does not require grad (autograd needs eager); where the
+        program is for its requires_grad (a `grad` word of 0 or 1), that it is as compiled."""
         t = self.record(b, d, "tensors", i, TENSOR_WORDS)
         obj = self._tensor_object(b, args, t)
         h = b.gep(obj, [I64(TENSOR_OFFSET)], source_etype=I8)
@@ -400,9 +401,12 @@ class Runtime:
             b.call(self.data_ptr, [h, into])
             empty = b.icmp_signed("==", t("nonempty"), I64(0))
             require(b.or_(empty, b.icmp_unsigned("!=", b.load(into, typ=PTR), NULL)))
+        requires_grad = lambda: b.call(self.mb.declare(REQUIRES_GRAD, I8, [PTR]), [b.load(h, typ=PTR)])  # noqa: E731
         with b.if_then(grad_mode):
-            impl = b.load(h, typ=PTR)
-            require(b.icmp_unsigned("==", b.call(self.mb.declare(REQUIRES_GRAD, I8, [PTR]), [impl]), I8(0)))
+            require(b.icmp_unsigned("==", requires_grad(), I8(0)))
+        want = t("grad")
+        with b.if_then(b.icmp_signed(">=", want, I64(0))):
+            require(b.icmp_signed("==", b.zext(requires_grad(), I64), want))
 
     # --- braze_body and braze_run ----------------------------------------------------------
     def _python_body(self, b: ll.IRBuilder, d: ll.Value, args: ll.Value, nargs: ll.Value) -> None:

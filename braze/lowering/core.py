@@ -67,6 +67,10 @@ class Lowered:
     reads_training: tuple[torch.nn.Module, ...]  # modules whose flag a lowering decided on
     layout_read: frozenset[str] = frozenset()  # see Lowerer.layout_read
     called: tuple[torch.nn.Module, ...] = ()  # the layers the graph calls (call_module)
+    # parameters and arguments (PARAM and INPUT names) whose requires_grad a lowering decided on
+    # (ATen's matmul folds where the weight requires grad, even under no_grad), with its value:
+    # the entry checks it
+    grad_read: tuple[tuple[str, bool], ...] = ()
 
 
 def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -113,6 +117,7 @@ class Lowerer:
         self.layout_read: set[str] = set()
         self.ops: dict[str, Op] = {}
         self.reads_training: list[torch.nn.Module] = []
+        self.grad_read: dict[str, bool] = {}  # see Lowered.grad_read
         self.called: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self.real: dict[str, Any] = {}  # example value of each Sym (see example())
@@ -401,7 +406,16 @@ class Lowerer:
         outputs = tuple(dict.fromkeys(v for v in out_leaves if isinstance(v, str)))
         graph = Graph(tuple(self.inputs), tuple(self.nodes), outputs)
         reads = frozenset(self.layout_read)
-        return Lowered(graph, spec, out_leaves, n_args, tuple(self.reads_training), reads, tuple(self.called))
+        return Lowered(
+            graph,
+            spec,
+            out_leaves,
+            n_args,
+            tuple(self.reads_training),
+            reads,
+            tuple(self.called),
+            tuple(self.grad_read.items()),
+        )
 
     def _in_eager_layouts(self, result: Any) -> Any:
         """Fast mode keeps activations channels-last between convolutions where eager's are NCHW:

@@ -367,6 +367,11 @@ def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any, weight: Sym | None = None)
         # should_fold: the leading dimensions merge without a copy, so ATen folds them into the
         # rows of one mm (whether or not b requires grad), then views the result
         return _gemm_on_rows(lw, a, b, None, 0.0, out, weight)
+    if da >= 3 and db == 2 and _requires_grad(lw, b):
+        # should_fold again: where b requires grad (a parameter does, under no_grad too) ATen
+        # folds a whose leading dimensions do not merge all the same, its reshape a copy where
+        # it cannot be a view (a Linear of a transposed input: MLP-Mixer, SegFormer, LeViT)
+        return _gemm_on_rows(lw, a, b, None, 0.0, out, weight)
     if da >= 3 and db >= 3 and a.meta.shape[:-2] == b.meta.shape[:-2]:
         # Equal batches: ATen's matmul calls bmm on t.expand(shape).reshape(batches, rows, cols),
         # which may give size-1 dimensions other strides (and so other BLAS arguments) or copy
@@ -383,10 +388,23 @@ def _matmul_of(lw: Lowerer, a: Sym, b: Sym, out: Any, weight: Sym | None = None)
 def _gemm_on_rows(
     lw: Lowerer, x: Sym, w: Sym, bias: Sym | None, beta: float, out: Any, weight: Sym | None = None
 ) -> Sym:
-    """A GEMM on x's leading dimensions merged into rows (a view: x is contiguous, or folds),
-    its result viewed with `out`'s shape: ATen's _flatten_nd_linear and matmul's fold."""
+    """A GEMM on x's leading dimensions merged into rows (x.reshape: a view where x is
+    contiguous or folds, else a copy), its result viewed with `out`'s shape: ATen's
+    _flatten_nd_linear and matmul's fold."""
     rows = lw.view(x, lambda t: t.reshape(math.prod(t.shape[:-1]), t.shape[-1]))
     return lw.view(_gemm(lw, rows, w, bias, beta, weight), lambda t: t.view(out.shape))
+
+
+def _requires_grad(lw: Lowerer, b: Sym) -> bool:
+    """Whether b is (a view of) a parameter of the model or an argument (a TorchDynamo graph's
+    parameters are its arguments) that requires grad. The program is then for its requires_grad,
+    which the entry checks on every call (Lowerer.grad_read)."""
+    source = lw.owner(b.name)
+    real = lw.params.get(source, lw.given.get(source)) if lw.ops.get(source) in (Op.PARAM, Op.INPUT) else None
+    if not isinstance(real, torch.Tensor):
+        return False
+    lw.grad_read[source] = real.requires_grad  # (either way: set later, a native fold is compiled)
+    return real.requires_grad
 
 
 def _folds(t: torch.Tensor) -> bool:
