@@ -8,8 +8,9 @@ Every program has two CPython-callable native functions:
 - `body(*args)` runs the program unchecked: natively, when its ATen calls are all of ops native
   code calls itself (codegen/calls.py) or made once per sizes, and every output is a fresh
   tensor (it takes the results made once per sizes from the program's Python function, reads
-  the data pointers, allocates the outputs with ATen's allocator, releases the GIL around the
-  kernels and ATen calls and wraps the outputs as Python tensors); else by calling the
+  the data pointers, allocates the outputs with ATen's allocator (an output that is an ATen
+  call's result is that result), releases the GIL around the kernels and ATen calls and wraps
+  the outputs as Python tensors); else by calling the
   program's generated Python body, which makes the ATen calls.
 
 Both are the same two functions for every program, `braze_entry` and `braze_body` (which share
@@ -94,7 +95,9 @@ class EntrySpec:
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     mkl_threads: int  # jit.mkl_threads() the GEMMs' calls were probed at (one thread, own kernel); -1: none
     mkldnn: int  # torch.backends.mkldnn's flag the program needs (GELU: enabled; convolutions: as compiled); -1: none
-    outputs: tuple[tuple[int, TensorMeta], ...]  # (slot, layout as words) allocated per call and returned
+    # (slot, layout as words, -1) of each output allocated per call and returned, or (-1, layout,
+    # the table word of its handle) of one that an ATen call of the native body returned
+    outputs: tuple[tuple[int, TensorMeta, int], ...]
     tuple_output: bool
     scratch: tuple[tuple[int, int], ...]  # (slot, bytes as a word) of buffers kept across calls
     n_slots: int
@@ -141,7 +144,7 @@ OWNER_WORDS = ("table", "name", "tensor")
 HOOK_WORDS = ("table", "count")
 VERSION_WORDS = ("dict", "version")
 PACK_WORDS = ("tensor", "obj", "data", "counter", "count")  # (see fast.stamp)
-OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides")
+OUTPUT_WORDS = ("slot", "dtype", "ndim", "sizes", "strides", "handle")
 SCRATCH_WORDS = ("slot", "bytes")
 SYMBOL_WORDS = ("slot", "lo", "hi")
 INT_SYMBOL_WORDS = ("pos", "slot")
@@ -218,7 +221,7 @@ class Descriptor:
         self.set_object("py_body", py_body)
         self.set_object("oom", torch.OutOfMemoryError)
         self.set("run", run)
-        outputs = [w for slot, meta in spec.outputs for w in self._output(slot, meta)]
+        outputs = [w for slot, meta, handle in spec.outputs for w in self._output(slot, meta, handle)]
         self._set_array("outputs", "n_outputs", outputs, len(spec.outputs))
         self.set("tuple_output", int(spec.tuple_output))
         # The scratch buffers: one allocation, made (and grown) by the first call that needs it
@@ -299,9 +302,9 @@ class Descriptor:
         layout = [self._ref(type(x)), 0, dtype_code(x.dtype), x.dim(), sizes, strides]  # keys: set_dispatch_state
         return [t.pos, obj, int(t.layout), *layout, t.slot, int(x.numel() > 0), t.grad]
 
-    def _output(self, slot: int, meta: TensorMeta) -> list[int]:
+    def _output(self, slot: int, meta: TensorMeta, handle: int) -> list[int]:
         sizes, strides = self._shape(meta.shape, meta.stride)
-        return [slot, dtype_code(meta.dtype), len(meta.shape), sizes, strides]
+        return [slot, dtype_code(meta.dtype), len(meta.shape), sizes, strides, handle]
 
 
 _libc = ctypes.CDLL(None)

@@ -212,7 +212,7 @@ class Program:
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
         natively = all(isinstance(c, Call) for c in self.calls.values())
-        self.native = natively and _native_outputs(lowered, fresh)
+        self.native = natively and _native_outputs(lowered, fresh, set(self.calls))
         self.externs = [(n.attrs["label"], _why(n, self.native)) for n in graph.nodes if n.op is Op.EXTERN]
         if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
             raise NotGeneric("it returns a size as a number")
@@ -365,13 +365,13 @@ class Program:
             tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively, grad=grad))
         ours = {id(p) for p in self.params}  # the rest, read by ATen calls: only requires_grad
         tensors += [entry.TensorCheck(p, -1, -1, False) for p in guard.params if id(p) not in ours]
-        outs = [fresh[v] for v in lowered.out_leaves] if self.native else []
-        outputs = tuple((slot[o], self._words(self.alloc[o])) for o in outs)
         scratch = tuple((self.layout.tmp_slot[b], self.word(nb)) for b, nb in self.layout.scratch_bytes.items())
         bounds = tuple(zip(self.family.lo, self.family.hi)) if self.family is not None else ()
         places = self.family.places if self.family is not None else ()
         int_symbols = tuple((i, self.symbol_slots[j]) for j, ps in enumerate(places) for i, d in ps if d < 0)
         symbolic = {i for i, _ in int_symbols}
+        # (before the table's size: a generic program's output sizes may need words of their own)
+        outputs = [(v, *self._output(v, fresh)) for v in lowered.out_leaves] if self.native else []
         n_slots = len(slot) + len(self.symbol_slots) + len(self.derived)
         # A native body's ATen calls: a word per result's handle, and one the run sets on failing
         calls = list(self.calls) if self.native else []
@@ -379,6 +379,7 @@ class Program:
         self.memo_slots = tuple(slot[n] for n in _memo_read(self)) if self.native else ()
         self.handle_slots = {name: n_slots + i for i, name in enumerate(calls)}
         self.failed_slot = n_slots + len(calls) if calls else -1
+        outputs = tuple((s, words, self.handle_slots.get(v, -1)) for v, s, words in outputs)
         return entry.EntrySpec(
             n_args=lowered.n_args,
             tensors=tuple(tensors),
@@ -408,6 +409,15 @@ class Program:
             huge_scratch=config.huge_scratch,
             packs=tuple((record[source], pack) for pack, source in self.packs),
         )
+
+    def _output(self, v: str, fresh: dict[str, str]) -> tuple[int, TensorMeta]:
+        """A native body's output: the slot of its fresh buffer (-1 where an ATen call returns
+        it) and its layout as words."""
+        if v in fresh:
+            return self.layout.slot[fresh[v]], self._words(self.alloc[fresh[v]])
+        meta = self.nodes[v].meta
+        assert meta is not None
+        return -1, self._words(meta)
 
     def _build(self, spec: entry.EntrySpec, lowered: Lowered) -> tuple[Any, Any]:
         t0 = time.perf_counter()
@@ -478,9 +488,11 @@ class Program:
                 made[n.name] = len(steps)
                 steps.append(Step(call=(n, call, self.handle_slots[n.name])))
                 reads.append({self.layout.owner[t] for t in call.tensors()})
+        returned = {v for v in self.lowered.out_leaves if isinstance(v, str)}  # (handed to the outputs)
         for name, handle in self.handle_slots.items():
             last = max(i for i in range(made[name], len(steps)) if name in reads[i] or i == made[name])
-            steps[last].frees += (handle,)
+            if name not in returned:
+                steps[last].frees += (handle,)
         emitter = CallEmitter(mb, entry.dtype_code, shim_constant("device_type_cpu"))
         return emitter.run(steps, list(self.handle_slots.values()), self.failed_slot)
 
@@ -578,11 +590,14 @@ def _param_layout(p: torch.Tensor) -> tuple:
     return type(p), p.shape, p.stride(), p.dtype, p.device
 
 
-def _native_outputs(lowered: Lowered, fresh: dict[str, str]) -> bool:
-    """Every output is a fresh buffer, returned alone or in a plain tuple."""
+def _native_outputs(lowered: Lowered, fresh: dict[str, str], called: set[str]) -> bool:
+    """Every output is a fresh buffer, or the result of an ATen call the native body makes
+    (`called`, returned once), returned alone or in a plain tuple."""
     spec = lowered.out_spec
     flat = spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))
-    return flat and all(isinstance(v, str) and v in fresh for v in lowered.out_leaves)
+    leaves = lowered.out_leaves
+    returned = [v for v in leaves if isinstance(v, str) and v in called]
+    return flat and len(set(returned)) == len(returned) and all(v in fresh or v in called for v in leaves)
 
 
 def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[str]:

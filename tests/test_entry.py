@@ -54,8 +54,12 @@ def test_a_matching_call_goes_straight_to_the_native_entry():
         (lambda x: (x * 2, x), False),  # returns an input
         (lambda x: torch.sinh(x) * 2, False),  # an ATen call
         (lambda x: (x * 2)[1:], False),  # part of a buffer
+        (lambda x: torch.roll(x, 1, 0), True),  # what an ATen call of the native body returns
+        (lambda x: (torch.roll(x, 1, 0), x * 2), True),
+        (lambda x: (torch.roll(x, 1, 0),) * 2, False),  # the same result twice
+        (lambda x: torch.roll(x, 1, 0)[1:], False),  # part of one
     ],
-    ids=["tuple", "view", "dict", "input", "extern", "slice"],
+    ids=["tuple", "view", "dict", "input", "extern", "slice", "aten", "aten-tuple", "aten-twice", "aten-slice"],
 )
 def test_native_or_python_body(fn, native):
     compiled = braze.compile(fn)
@@ -249,7 +253,8 @@ def test_bad_outputs_of_a_binding_are_not_native_concerns():
 
 def test_a_python_body_drops_intermediates_after_their_last_use():
     # As eager does: ATen's next allocation then reuses their memory instead of faulting in pages.
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).eval()
+    layers = (nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Softplus())
+    model = nn.Sequential(*layers).eval()  # (softplus: an ATen call native code does not make)
     compiled = check_model(model, (torch.randn(2, 3, 16, 16),))
     source = program(compiled).source
     assert "del e3" in source and source.index("del e3") < source.index("_seg0")  # the first convolution's
@@ -367,6 +372,23 @@ def test_aten_results_and_argument_handles_are_freed():
     small = braze.compile(lambda x, i: torch.gather(x, 0, i) + 1)
     x, i = torch.randn(3), torch.tensor([2, 0])
     assert _grown_mb(lambda x: small(x, i), x, 100_000) < 4  # lost handles: ~100 bytes each a call
+    returned = braze.compile(lambda x: torch.gather(x, 0, Gather().index))  # the result is the output
+    assert _grown_mb(returned, torch.randn(1 << 20), 500) < 100
+    assert program(returned).native
+
+
+def test_a_failing_aten_call_whose_result_is_the_output_raises_what_eager_raises():
+    fn = lambda x, i: torch.gather(x, 0, i)  # noqa: E731
+    compiled, x = braze.compile(fn), torch.randn(5)
+    check_model(fn, (x, torch.tensor([4, 0])), compiled=compiled)
+    assert program(compiled).native
+    with pytest.raises(RuntimeError) as eager:
+        fn(x, torch.tensor([4, 7]))
+    with pytest.raises(RuntimeError) as ours:
+        compiled(x, torch.tensor([4, 7]))
+    assert str(ours.value) == str(eager.value)
+    check_model(fn, (x, torch.tensor([1, 2])), compiled=compiled)
+    assert len(compiled.programs()) == 1
 
 
 @pytest.mark.parametrize("threshold", [0, 1 << 18])

@@ -489,6 +489,12 @@ class Runtime:
             with b.if_then(b.icmp_unsigned("!=", failed, NULL)):
                 self._free_outputs(b, d, handles)
                 self._retry(b, d, args, nargs)
+        with counted_loop(b, I64(0), n_out) as k:  # the outputs that ATen calls returned: theirs
+            word = self.record(b, d, "outputs", k, OUTPUT_WORDS)("handle")
+            with b.if_then(b.icmp_signed(">=", word, I64(0))):
+                held = self.item(b, table, word)
+                b.store(b.load(held, typ=PTR), self.item(b, handles, k))
+                b.store(NULL, held)
         bad_index = fn.append_basic_block("bad_index")
         done = fn.append_basic_block("done")
         flagged = self._alloca(b, ll.IntType(1))
@@ -548,23 +554,26 @@ class Runtime:
     def _allocate(
         self, b: ll.IRBuilder, d: ll.Value, k: ll.Value, handle: ll.Value, table: ll.Value, oom: ll.Block
     ) -> None:
-        """Output k: a fresh tensor of its layout, from ATen's allocator."""
+        """Output k: a fresh tensor of its layout, from ATen's allocator (none where an ATen
+        call of the run returns it)."""
         o = self.record(b, d, "outputs", k, OUTPUT_WORDS)
-        layout = {}
-        for name in ("sizes", "strides"):
-            words = o(name, PTR)
-            with b.goto_entry_block():
-                layout[name] = b.alloca(I64, size=I64(MAX_DIMS))
-            with counted_loop(b, I64(0), o("ndim")) as i:
-                b.store(self.resolve(b, table, self.word(b, words, i)), b.gep(layout[name], [i], source_etype=I64))
-        empty = self.mb.declare("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
-        cpu = I32(shim_constant("device_type_cpu"))
-        dtype = b.trunc(o("dtype"), I32)
-        err = b.call(empty, [o("ndim"), layout["sizes"], layout["strides"], dtype, cpu, I32(0), handle])
-        ok = b.append_basic_block("allocated")
-        b.cbranch(b.icmp_signed("==", err, I32(0)), ok, oom)
-        b.position_at_end(ok)
-        b.call(self.data_ptr, [b.load(handle, typ=PTR), self.item(b, table, o("slot"))])
+        with b.if_then(b.icmp_signed("<", o("handle"), I64(0))):
+            layout = {}
+            for name in ("sizes", "strides"):
+                words = o(name, PTR)
+                with b.goto_entry_block():
+                    layout[name] = b.alloca(I64, size=I64(MAX_DIMS))
+                with counted_loop(b, I64(0), o("ndim")) as i:
+                    value = self.resolve(b, table, self.word(b, words, i))
+                    b.store(value, b.gep(layout[name], [i], source_etype=I64))
+            empty = self.mb.declare("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
+            cpu = I32(shim_constant("device_type_cpu"))
+            dtype = b.trunc(o("dtype"), I32)
+            err = b.call(empty, [o("ndim"), layout["sizes"], layout["strides"], dtype, cpu, I32(0), handle])
+            ok = b.append_basic_block("allocated")
+            b.cbranch(b.icmp_signed("==", err, I32(0)), ok, oom)
+            b.position_at_end(ok)
+            b.call(self.data_ptr, [b.load(handle, typ=PTR), self.item(b, table, o("slot"))])
 
     def _scratch(
         self, b: ll.IRBuilder, d: ll.Value, table: ll.Value, took: ll.Value, busy: ll.Value, oom: ll.Block
