@@ -32,6 +32,8 @@ GEMMs, ATen's float32 matmul precision (and MKL's thread count, where a GEMM run
 thread); and, for fast mode's weights packed once (fast.GemmPack), that each is still the
 tensor packed, at the same data pointer and version (`t._version`, read through its
 VersionCounter: jit.version_offsets); a mismatch misses, and Program.rearm packs it again.
+Where a lowering chose a path by a weight's requires_grad (ATen's matmul folds a batch where it is
+set, under no_grad too), the entry checks that flag as compiled.
 Tensors are read through ATen's C shim (the `aoti_torch_*` functions of libtorch)
 where it has a getter; a Python tensor object holds its at::Tensor at jit.TENSOR_OFFSET.
 """
