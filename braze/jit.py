@@ -104,6 +104,7 @@ _SHIM = (
     "aoti_torch_get_sizes",
     "aoti_torch_get_strides",
     "aoti_torch_empty_strided",
+    "aoti_torch__reinterpret_tensor",  # an ATen result a native body returns, viewed
     "aoti_torch_delete_tensor_object",
     "aoti_torch_grad_mode_is_enabled",
     "aoti_torch_create_tensor_from_blob",  # codegen/calls.py: ATen calls from native code

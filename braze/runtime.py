@@ -212,7 +212,7 @@ class Program:
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
         natively = all(isinstance(c, Call) for c in self.calls.values())
-        self.native = natively and _native_outputs(lowered, fresh, set(self.calls))
+        self.native = natively and _native_outputs(self, lowered, fresh)
         self.externs = [(n.attrs["label"], _why(n, self.native)) for n in graph.nodes if n.op is Op.EXTERN]
         if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
             raise NotGeneric("it returns a size as a number")
@@ -379,7 +379,9 @@ class Program:
         self.memo_slots = tuple(slot[n] for n in _memo_read(self)) if self.native else ()
         self.handle_slots = {name: n_slots + i for i, name in enumerate(calls)}
         self.failed_slot = n_slots + len(calls) if calls else -1
-        outputs = tuple((s, words, self.handle_slots.get(v, -1)) for v, s, words in outputs)
+        outputs = tuple(
+            (s, words, -1 if s >= 0 else self.handle_slots[self.layout.owner[v]]) for v, s, words in outputs
+        )
         return entry.EntrySpec(
             n_args=lowered.n_args,
             tensors=tuple(tensors),
@@ -412,7 +414,7 @@ class Program:
 
     def _output(self, v: str, fresh: dict[str, str]) -> tuple[int, TensorMeta]:
         """A native body's output: the slot of its fresh buffer (-1 where an ATen call returns
-        it) and its layout as words."""
+        it, or a view of all of that) and its layout as words."""
         if v in fresh:
             return self.layout.slot[fresh[v]], self._words(self.alloc[fresh[v]])
         meta = self.nodes[v].meta
@@ -488,7 +490,8 @@ class Program:
                 made[n.name] = len(steps)
                 steps.append(Step(call=(n, call, self.handle_slots[n.name])))
                 reads.append({self.layout.owner[t] for t in call.tensors()})
-        returned = {v for v in self.lowered.out_leaves if isinstance(v, str)}  # (handed to the outputs)
+        # (those handed to the outputs)
+        returned = {self.layout.owner[v] for v in self.lowered.out_leaves if isinstance(v, str)}
         for name, handle in self.handle_slots.items():
             last = max(i for i in range(made[name], len(steps)) if name in reads[i] or i == made[name])
             if name not in returned:
@@ -590,14 +593,22 @@ def _param_layout(p: torch.Tensor) -> tuple:
     return type(p), p.shape, p.stride(), p.dtype, p.device
 
 
-def _native_outputs(lowered: Lowered, fresh: dict[str, str], called: set[str]) -> bool:
+def _native_outputs(prog: Program, lowered: Lowered, fresh: dict[str, str]) -> bool:
     """Every output is a fresh buffer, or the result of an ATen call the native body makes
-    (`called`, returned once), returned alone or in a plain tuple."""
+    (returned once, as itself or a view of all of it), returned alone or in a plain tuple."""
     spec = lowered.out_spec
     flat = spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))
     leaves = lowered.out_leaves
-    returned = [v for v in leaves if isinstance(v, str) and v in called]
-    return flat and len(set(returned)) == len(returned) and all(v in fresh or v in called for v in leaves)
+    returned = [prog.layout.owner[v] for v in leaves if isinstance(v, str) and v not in fresh]
+    if not flat or len(set(returned)) != len(returned) or not all(isinstance(v, str) for v in leaves):
+        return False
+    return all(v in fresh or _whole(prog, v) and prog.layout.owner[v] in prog.calls for v in leaves)
+
+
+def _whole(prog: Program, v: str) -> bool:
+    """v is its buffer's value, or a view of all of it from its start."""
+    m, o = prog.nodes[v].meta, prog.nodes[prog.layout.owner[v]].meta
+    return m is not None and o is not None and m.offset == o.offset and m.span == o.span
 
 
 def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[str]:

@@ -58,8 +58,21 @@ def test_a_matching_call_goes_straight_to_the_native_entry():
         (lambda x: (torch.roll(x, 1, 0), x * 2), True),
         (lambda x: (torch.roll(x, 1, 0),) * 2, False),  # the same result twice
         (lambda x: torch.roll(x, 1, 0)[1:], False),  # part of one
+        (lambda x: (torch.roll(x, 1, 0).view(-1), x + 1), True),  # all of one, viewed
     ],
-    ids=["tuple", "view", "dict", "input", "extern", "slice", "aten", "aten-tuple", "aten-twice", "aten-slice"],
+    ids=[
+        "tuple",
+        "view",
+        "dict",
+        "input",
+        "extern",
+        "slice",
+        "aten",
+        "aten-tuple",
+        "aten-twice",
+        "aten-slice",
+        "aten-view",
+    ],
 )
 def test_native_or_python_body(fn, native):
     compiled = braze.compile(fn)

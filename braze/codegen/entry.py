@@ -490,11 +490,7 @@ class Runtime:
                 self._free_outputs(b, d, handles)
                 self._retry(b, d, args, nargs)
         with counted_loop(b, I64(0), n_out) as k:  # the outputs that ATen calls returned: theirs
-            word = self.record(b, d, "outputs", k, OUTPUT_WORDS)("handle")
-            with b.if_then(b.icmp_signed(">=", word, I64(0))):
-                held = self.item(b, table, word)
-                b.store(b.load(held, typ=PTR), self.item(b, handles, k))
-                b.store(NULL, held)
+            self._returned(b, d, k, self.item(b, handles, k), table, oom)
         bad_index = fn.append_basic_block("bad_index")
         done = fn.append_basic_block("done")
         flagged = self._alloca(b, ll.IntType(1))
@@ -551,6 +547,36 @@ class Runtime:
         with counted_loop(b, I64(0), self.field(b, d, "n_outputs")) as k:
             b.call(self.delete, [b.load(self.item(b, handles, k), typ=PTR)])
 
+    def _layout(self, b: ll.IRBuilder, o: Callable, table: ll.Value) -> dict[str, ll.Value]:
+        """An output record's sizes and strides, resolved (a generic program's from its table)."""
+        layout = {}
+        for name in ("sizes", "strides"):
+            words = o(name, PTR)
+            with b.goto_entry_block():
+                layout[name] = b.alloca(I64, size=I64(MAX_DIMS))
+            with counted_loop(b, I64(0), o("ndim")) as i:
+                value = self.resolve(b, table, self.word(b, words, i))
+                b.store(value, b.gep(layout[name], [i], source_etype=I64))
+        return layout
+
+    def _returned(
+        self, b: ll.IRBuilder, d: ll.Value, k: ll.Value, handle: ll.Value, table: ll.Value, oom: ll.Block
+    ) -> None:
+        """Output k, where an ATen call of the run returned it: that result, viewed with the
+        output's layout (the same, or a view of all of it), its handle taken from the table."""
+        o = self.record(b, d, "outputs", k, OUTPUT_WORDS)
+        with b.if_then(b.icmp_signed(">=", o("handle"), I64(0))):
+            held = self.item(b, table, o("handle"))
+            result = b.load(held, typ=PTR)
+            layout = self._layout(b, o, table)
+            view = self.mb.declare("aoti_torch__reinterpret_tensor", I32, [PTR, I64, PTR, PTR, I64, PTR])
+            err = b.call(view, [result, o("ndim"), layout["sizes"], layout["strides"], I64(0), handle])
+            b.call(self.delete, [result])
+            b.store(NULL, held)
+            ok = b.append_basic_block("viewed")
+            b.cbranch(b.icmp_signed("==", err, I32(0)), ok, oom)
+            b.position_at_end(ok)
+
     def _allocate(
         self, b: ll.IRBuilder, d: ll.Value, k: ll.Value, handle: ll.Value, table: ll.Value, oom: ll.Block
     ) -> None:
@@ -558,14 +584,7 @@ class Runtime:
         call of the run returns it)."""
         o = self.record(b, d, "outputs", k, OUTPUT_WORDS)
         with b.if_then(b.icmp_signed("<", o("handle"), I64(0))):
-            layout = {}
-            for name in ("sizes", "strides"):
-                words = o(name, PTR)
-                with b.goto_entry_block():
-                    layout[name] = b.alloca(I64, size=I64(MAX_DIMS))
-                with counted_loop(b, I64(0), o("ndim")) as i:
-                    value = self.resolve(b, table, self.word(b, words, i))
-                    b.store(value, b.gep(layout[name], [i], source_etype=I64))
+            layout = self._layout(b, o, table)
             empty = self.mb.declare("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
             cpu = I32(shim_constant("device_type_cpu"))
             dtype = b.trunc(o("dtype"), I32)
