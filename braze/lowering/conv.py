@@ -93,7 +93,7 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     if not (isinstance(y, torch.Tensor) and isinstance(out, torch.Tensor) and y.shape == out.shape):
         y = F.conv2d(*lw.live((x, w, b)), stride=stride, padding=padding, dilation=dilation, groups=groups)
     real = torch.empty(y.shape, memory_format=torch.channels_last).copy_(y)  # laid out as the call's
-    sym = packed_extern(lw, packed, (x, w, b), label, why, real)
+    sym = extern_of(lw, packed, (x, w, b), label, why, real)
     lw.deferred[sym.name] = lambda: packed(*lw.live((x, w, b)))
     return sym
 
@@ -117,12 +117,8 @@ def _small(x: Sym, w: Sym, out: Any, groups: int) -> bool:
 
 def _aten_conv(lw: Lowerer, given: tuple) -> Sym:
     """Fast mode: a small convolution (_small) as ATen's own, on the channels-last input."""
-    x, w, b, stride, padding, dilation, groups = given
-    real = F.conv2d(*lw.live((x, w, b)), stride=stride, padding=padding, dilation=dilation, groups=groups)
     why = "fast mode: ATen's convolution; below ~1 M multiply-adds oneDNN's packed call costs more"
-    sym = lw.extern(torch.conv2d, given, {}, "torch.conv2d", why, to_meta(real))
-    lw.real[sym.name] = real
-    return sym
+    return extern_of(lw, torch.conv2d, given, "torch.conv2d", why, torch.conv2d(*lw.live(given)))
 
 
 # winograd.py's kernel from this many input and output channels: below, its transforms cost
@@ -345,11 +341,11 @@ def _pointwise(lw: Lowerer, x: Sym, w: Sym, b: Any, out: torch.Tensor) -> Sym:
     return lw.view(product, lambda t: t.as_strided(out.shape, out.stride(), t.storage_offset()))
 
 
-def packed_extern(lw: Lowerer, packed: fast.Packed, args: tuple, label: str, why: str, real: Any = None) -> Sym:
-    """An ATen call of `packed` on args; its example value is `real`, what it gives on lw's
-    examples and the model's own weights (packing them: see Lowerer.live)."""
-    real = packed(*lw.live(args)) if real is None else real
-    sym = lw.extern(packed, args, {}, label, why, to_meta(real))
+def extern_of(lw: Lowerer, fn: Any, args: tuple, label: str, why: str, real: torch.Tensor) -> Sym:
+    """An ATen call of `fn` on args whose example value is `real`: what it gives on lw's examples
+    and the model's own weights (a packed call's packing them: see Lowerer.live), laid out as
+    the call's result, which fast mode's calls lay out otherwise than eager's."""
+    sym = lw.extern(fn, args, {}, label, why, to_meta(real))
     lw.real[sym.name] = real
     return sym
 

@@ -325,7 +325,7 @@ def _packed(lw: Lowerer, x: Sym, w: Sym, b: Any, transposed: bool) -> Sym | None
     if real is None:
         return None
     why = "fast mode: oneDNN's GEMM on a packed weight, timed faster than MKL's at this shape"
-    return conv.packed_extern(lw, packed, (x, w, b), "linear (oneDNN, packed weight)", why, real)
+    return conv.extern_of(lw, packed, (x, w, b), "linear (oneDNN, packed weight)", why, real)
 
 
 def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
