@@ -112,7 +112,7 @@ def _allocations(graph: Graph, lowered: Lowered, layout: Layout) -> tuple[dict[s
         o = layout.owner[v]
         if o not in metas or uses[o] != 1:
             continue
-        if nodes[v].meta.offset == nodes[o].meta.offset and nodes[v].meta.span == nodes[o].meta.span:
+        if _all_of(nodes[v].meta, nodes[o].meta):
             metas[o] = nodes[v].meta
             fresh[v] = o
     return metas, fresh
@@ -354,14 +354,14 @@ class Program:
                 words = self._words(inputs[i].meta) if self.family is not None and i in inputs else None
                 layout = (words.shape, words.stride) if words is not None else None
                 record[inputs[i].name if i in inputs else None] = len(tensors)
-                grad = int(self.grad_read[inputs[i].name]) if i in inputs and inputs[i].name in self.grad_read else -1
+                grad = int(self.grad_read.get(inputs[i].name, -1)) if i in inputs else -1
                 tensors.append(entry.TensorCheck(a, i, read.get(i, -1), True, layout, grad))
         first = len(tensors)  # the parameters' records follow the arguments'
         record |= {name: first + j for j, name in enumerate(self.param_names)}
         owners = tuple((table, name, first + i) for i, where in enumerate(self._owners) for table, name in where)
         for name, p in zip(self.param_names, self.params):
             natively = name in reads  # a parameter only ATen reads may change layout: ATen copes
-            grad = int(self.grad_read[name]) if name in self.grad_read else -1
+            grad = int(self.grad_read.get(name, -1))
             tensors.append(entry.TensorCheck(p, -1, slot[name] if natively else -1, natively, grad=grad))
         ours = {id(p) for p in self.params}  # the rest, read by ATen calls: only requires_grad
         tensors += [entry.TensorCheck(p, -1, -1, False) for p in guard.params if id(p) not in ours]
@@ -602,13 +602,13 @@ def _native_outputs(prog: Program, lowered: Lowered, fresh: dict[str, str]) -> b
     returned = [prog.layout.owner[v] for v in leaves if isinstance(v, str) and v not in fresh]
     if not flat or len(set(returned)) != len(returned) or not all(isinstance(v, str) for v in leaves):
         return False
-    return all(v in fresh or _whole(prog, v) and prog.layout.owner[v] in prog.calls for v in leaves)
+    owner, nodes = prog.layout.owner, prog.nodes
+    return all(v in fresh or owner[v] in prog.calls and _all_of(nodes[v].meta, nodes[owner[v]].meta) for v in leaves)
 
 
-def _whole(prog: Program, v: str) -> bool:
-    """v is its buffer's value, or a view of all of it from its start."""
-    m, o = prog.nodes[v].meta, prog.nodes[prog.layout.owner[v]].meta
-    return m is not None and o is not None and m.offset == o.offset and m.span == o.span
+def _all_of(view: TensorMeta | None, base: TensorMeta | None) -> bool:
+    """A value laid out as `view` is its buffer's (`base`) value, or a view of all of it from its start."""
+    return view is not None and base is not None and view.offset == base.offset and view.span == base.span
 
 
 def _native_reads(prog: Program, segments: list[Segment] | None = None) -> set[str]:
