@@ -1,5 +1,5 @@
 """ATen results that follow from the call's sizes alone (causal masks, position ids) are made once
-per sizes and kept by the program (passes.memoize, runtime._remember)."""
+per sizes and kept by the program (passes.memoize, pybody.remember)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import braze
-from braze import runtime
+from braze import pybody
 
 from .helpers import assert_same
 
@@ -48,14 +48,14 @@ def test_a_causal_mask_is_made_once_per_sizes():
 
 
 def test_the_kept_results_are_bounded(monkeypatch):
-    monkeypatch.setattr(runtime, "MEMO_ENTRIES", 2)
+    monkeypatch.setattr(pybody, "MEMO_ENTRIES", 2)
     compiled = braze.compile(Causal(), dynamic=True)
     with torch.no_grad():
         for n in range(3, 9):
             compiled(torch.randn(1, 1, n, 4))
     (prog,) = compiled.programs()
     assert len(prog.memo) == 2
-    monkeypatch.setattr(runtime, "MEMO_BYTES", 0)  # too large: made at every call, kept nowhere
+    monkeypatch.setattr(pybody, "MEMO_BYTES", 0)  # too large: made at every call, kept nowhere
     prog.memo.clear()
     with torch.no_grad():
         compiled(torch.randn(1, 1, 5, 4))
@@ -153,7 +153,7 @@ def test_a_value_read_before_it_is_changed_in_place_is_made_every_call():
 
 
 def test_threads_share_and_drop_kept_results(monkeypatch):
-    monkeypatch.setattr(runtime, "MEMO_ENTRIES", 2)  # entries dropped while other threads read
+    monkeypatch.setattr(pybody, "MEMO_ENTRIES", 2)  # entries dropped while other threads read
     model = Causal()
     compiled = braze.compile(model, dynamic=True)
     inputs = [torch.randn(1, 2, n, 4) for n in range(3, 11)]
