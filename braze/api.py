@@ -290,8 +290,9 @@ class CompiledFunction:
             if bound is None and self._signature() is not None:
                 return self.fn(*args, **kwargs)  # a call its signature refuses: eager's TypeError
             if bound is None:  # **kwargs in forward (Hugging Face models): TorchDynamo binds them
-                if self._dynamo is None:
-                    self._dynamo = self._through_dynamo("keyword arguments that cannot be bound positionally")
+                with self._lock:  # (one TorchDynamo capture for all threads)
+                    if self._dynamo is None:
+                        self._dynamo = self._through_dynamo("keyword arguments that cannot be bound positionally")
                 if self._dynamo is None:
                     return self.fn(*args, **kwargs)
                 return self._dynamo(*args, **kwargs)
@@ -504,6 +505,8 @@ class CompiledFunction:
         with self._lock, _no_gc():
             if key in self._cache:
                 return self._cache[key]
+            if self._dynamo is not None:  # another thread's _build, while this one waited
+                return self._dynamo
             entry = self._build(key, args)
             if entry is None:
                 return self._dynamo or _EAGER

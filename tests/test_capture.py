@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -289,3 +291,73 @@ def test_a_graph_braze_runs_eagerly_keeps_running_through_dynamo():
         for _ in range(3):
             x = torch.randn(3, 4)
             assert_same(compiled(x), f(x.clone()))
+
+
+ZERO_SIGN = 1.0  # read by SignedReciprocal's forward: TorchDynamo guards it, and traces again when it changes
+
+
+class SignedReciprocal(torch.nn.Module):
+    """A forward FX cannot trace (a branch on a size), whose graph depends on a global's value
+    only through a zero's sign."""
+
+    def forward(self, x):
+        y = x * 2 if x.dim() == 2 else x
+        return 1 / (y * (0.0 if ZERO_SIGN > 0 else -0.0)) + y.sum()
+
+
+def test_dynamo_graphs_equal_to_one_compiled_before_share_its_program(monkeypatch):
+    global ZERO_SIGN
+    model = SignedReciprocal()
+    compiled = braze.compile(model)
+    x = torch.randn(3, 5)
+    assert_same(compiled(x), model(x))
+    monkeypatch.setattr(sys.modules[__name__], "ZERO_SIGN", 2.0)  # TorchDynamo traces again: the same graph
+    assert_same(compiled(x), model(x))
+    assert len(compiled._subgraphs) == 1 and len(compiled._subgraphs[0].compilations) == 1
+    monkeypatch.setattr(sys.modules[__name__], "ZERO_SIGN", -1.0)  # another graph: -0.0 is not 0.0
+    out = compiled(x)
+    assert_same(out, model(x)) and bool((out < 0).all())  # (-inf: torch.equal takes -0.0 for 0.0)
+    assert len(compiled._subgraphs) == 2
+
+
+def test_threads_first_calling_a_model_fx_cannot_trace_share_one_dynamo_capture(monkeypatch):
+    # Threads waiting for the wrapper's lock while the first one found that FX cannot trace the
+    # model each started a TorchDynamo capture of their own (4 threads: 6 graphs, 2 distinct).
+    from braze import backend, capture
+
+    captures, trace = [], capture.trace
+
+    def slow_trace(*args, **kwargs):  # FX fails after a while: the other threads queue meanwhile
+        time.sleep(0.2)
+        return trace(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        captures.append(args)
+        return fallback(*args, **kwargs)
+
+    fallback = backend.dynamo_fallback
+    monkeypatch.setattr(capture, "trace", slow_trace)
+    monkeypatch.setattr(backend, "dynamo_fallback", counted)
+    model = BranchyLinear().eval()
+    compiled = braze.compile(model)
+    x = torch.randn(3, 4)
+    start, outs = threading.Barrier(4), [None] * 4
+
+    def work(i: int) -> None:
+        start.wait()
+        with torch.no_grad():
+            outs[i] = compiled(x)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with torch.no_grad():
+        for out in outs:
+            assert_same(out, model(x))
+    assert len(captures) == 1
+    alone = braze.compile(BranchyLinear().eval())  # one thread: the graphs of one capture (2: a graph break)
+    with torch.no_grad():
+        alone(x)
+    assert len(compiled._subgraphs) == len(alone._subgraphs)
