@@ -126,21 +126,25 @@ def probe_with(monkeypatch: Any, owner: Any, name: str, wrong: Any, probe: Calla
         cached.cache_clear()
 
 
-def needs_mkl_order() -> None:
-    """Skip a test of braze's GEMM kernel inside programs where MKL's sgemm_ does not take, on
-    this CPU and at two threads, the path whose order the kernel reproduces (its generic one,
-    which it takes on AMD CPUs; on Intel CPUs it runs kernels of its own). The kernel's probe
-    then keeps it out of every program, which test_own_kernel_falls_back_to_sgemm_where_its_
-    probe_disagrees checks on any CPU."""
-    import pytest
-
+def mkl_order() -> bool:
+    """Whether MKL's sgemm_ takes, on this CPU and at two threads, the path whose order braze's
+    GEMM kernel reproduces (its generic one, which it takes on AMD CPUs; on Intel CPUs it runs
+    kernels of its own)."""
     from braze import gemmkernel
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        ok = gemmkernel.same(()) and gemmkernel.same((), linear=True)
+        return gemmkernel.same(()) and gemmkernel.same((), linear=True)
     finally:
         torch.set_num_threads(before)
-    if not ok:
+
+
+def needs_mkl_order() -> None:
+    """Skip a test of braze's GEMM kernel giving eager's bits inside programs where it cannot
+    (mkl_order): its probe then keeps it out of every exact program, which
+    test_own_kernel_falls_back_to_sgemm_where_its_probe_disagrees checks on any CPU."""
+    import pytest
+
+    if not mkl_order():
         pytest.skip("MKL's sgemm_ does not take the path braze's GEMM kernel reproduces on this CPU")

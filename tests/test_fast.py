@@ -12,7 +12,7 @@ from braze import fast, gemmkernel, winograd
 from braze.accuracy import measure
 from braze.ir import Op
 
-from .helpers import needs_mkl_order
+from .helpers import mkl_order
 
 nn = torch.nn
 
@@ -207,23 +207,29 @@ def _packs(compiled) -> list[int]:
     return [len(p.packs) for p in compiled.programs()]
 
 
+def _agrees(out: torch.Tensor, model: nn.Module, *args, **kwargs) -> bool:
+    """Fast mode's GEMM kernel on packed weights: eager's bits where its order is MKL's (an AMD
+    CPU), else within 1e-4 (a stale weight is far off)."""
+    want = model(*args, **kwargs)
+    return torch.equal(out, want) if mkl_order() else bool((out - want).abs().max() < 1e-4)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 @torch.no_grad()
 def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
-    needs_mkl_order()
     torch.manual_seed(0)
     model = _Keywords().eval() if dynamo else nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
     layers = model.mlp if dynamo else model
     x = torch.randn(256, 64)
     compiled = braze.compile(model, mode="fast")
     run = (lambda: compiled(x, mask=None)) if dynamo else (lambda: compiled(x))
-    assert torch.equal(run(), model(x))  # the kernel is exact mode's, its weight read from the pack
+    assert _agrees(run(), model, x)  # the kernel is exact mode's, its weight read from the pack
     assert _packs(compiled) == [2]
     if not dynamo:
         assert str(braze.explain(compiled, x)).count("packed once, checked every call") == 2
     calls = compiled._subgraphs if dynamo else [compiled]
     slow = sum(c._slow_calls for c in calls)
-    assert torch.equal(run(), model(x))
+    assert _agrees(run(), model, x)
     assert sum(c._slow_calls for c in calls) == slow  # the packs hold: the entry ran the call
     changes = [
         lambda: layers[0].weight.mul_(-2.0),  # in place: its version moves
@@ -232,9 +238,9 @@ def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
     ]
     for change in changes:
         change()
-        assert torch.equal(run(), model(x))
+        assert _agrees(run(), model, x)
         slow = sum(c._slow_calls for c in calls)
-        assert torch.equal(run(), model(x))
+        assert _agrees(run(), model, x)
         assert sum(c._slow_calls for c in calls) == slow
     assert sum(p.repacks for p in compiled.programs()) == 3
     assert sum(len(c.compilations) for c in calls) == 1  # packed again, not compiled again
@@ -266,7 +272,6 @@ def test_few_rows_by_a_large_weight_are_the_kernels_on_its_packed_panels(rows, n
 
 @torch.no_grad()
 def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
-    needs_mkl_order()
     # (an optimizer's steps between calls): each change is one slow call and a pack, until the
     # program is compiled again without packing that weight
     torch.manual_seed(0)
@@ -275,26 +280,25 @@ def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
     compiled = braze.compile(model, mode="fast")
     for _ in range(fast.REPACKS + 3):
         model[0].weight.add_(0.01)
-        assert torch.equal(compiled(x), model(x))
+        assert _agrees(compiled(x), model, x)
     assert len(compiled.compilations) == 2
     assert "keeps changing" in compiled.compilations[-1].why
     assert _packs(compiled)[-1] == 1  # the other weight's pack is kept
     slow = compiled._slow_calls
     model[0].weight.add_(0.01)
-    assert torch.equal(compiled(x), model(x))
+    assert _agrees(compiled(x), model, x)
     assert compiled._slow_calls == slow
 
 
 @torch.no_grad()
 def test_weights_without_a_version_counter_are_packed_per_call():
-    needs_mkl_order()
     with torch.inference_mode():  # an inference tensor has no version counter to watch
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
     x = torch.randn(256, 64)
     compiled = braze.compile(model, mode="fast")
     with torch.inference_mode():
-        assert torch.equal(compiled(x), model(x))
+        assert _agrees(compiled(x), model, x)
         assert _packs(compiled) == [0]
     # a packed weight replaced by one without a counter: compiled again, reading it per call
     packed = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48)).eval()
@@ -303,7 +307,7 @@ def test_weights_without_a_version_counter_are_packed_per_call():
         compiled(x)
     with torch.inference_mode():
         packed[0].weight = nn.Parameter(torch.randn(96, 64), requires_grad=False)
-        assert torch.equal(compiled(x), packed(x))
+        assert _agrees(compiled(x), packed, x)
     assert "no version counter" in compiled.compilations[-1].why
 
 

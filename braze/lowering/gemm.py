@@ -149,8 +149,8 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
     """From how many rows gemmkernel's kernel computes this GEMM in place of sgemm_ (0: never):
     X @ W with W [K, N] (GPT-2's Conv1D, matmul by a weight) or [N, K] (linear's), where MKL's
     path is the one the kernel reproduces and its probe at this shape gives ATen's bits; and
-    in fast mode (`packed`: the weight's panels kept, _kept_pack) a few rows by a large weight,
-    whatever MKL's bits. A generic program's row count may vary: the call checks it."""
+    in fast mode (`packed`: the weight's panels kept, _kept_pack), whatever MKL's bits, from a
+    few rows by a large weight up. A generic program's row count may vary: the call checks it."""
     if not config.own_gemm or not blas["swap"] or blas["tb"] or beta not in (0.0, 1.0):
         return 0
     m, n, k = blas["n"], blas["m"], blas["k"]  # rows, columns, depth (BLAS sees the transpose)
@@ -162,6 +162,17 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
     rows = max(gemmkernel.MIN_ROWS * jit.mkl_threads(), -(-config.one_thread_gemm_flops // (2 * n * k)))
     if isinstance(m, int) and m < rows:
         return 0
+    # Fast mode, a weight packed once: the kernel on its panels, whatever MKL's order, where
+    # sgemm_ packs the weight on every call. Where MKL runs its own kernels (2 cores of an Intel
+    # Xeon, 2026-12-06; on AMD the probe below took these GEMMs already), fast mode with and
+    # without it, interleaved (/tmp script, 30-40 rounds, medians; equal programs differ by up to
+    # 2%): hf-vit 1.076x as fast, bert-tiny 1.056x, vit-tiny 1.042x, T5 encoder 1.037x,
+    # transformer-layer 1.033x, BERT 1.013x, DistilBERT 0.999x, Llama 1.001x. Chosen per GEMM by
+    # timing the two alone (the kernel on one thread's rows, sgemm_ on all), sgemm_ took 2 of
+    # bert-tiny's 13 and 4 of BERT's 25, which then ran 0.965x and 0.959x: alone, sgemm_'s
+    # packing reads a weight the cache holds, which in the model it does not.
+    if packed:
+        return rows
     # At the program's own K and N: at the fewest rows, and at its own rows (up to a cost: how
     # MKL splits the work between threads, and so which rows take its other path, depends on
     # all three sizes; with two threads no split seen up to 8192 rows changed the order)
