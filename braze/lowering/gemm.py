@@ -166,8 +166,9 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
     # sgemm_ packs the weight on every call. Where MKL runs its own kernels (2 cores of an Intel
     # Xeon, 2026-12-06; on AMD the probe below took these GEMMs already), fast mode with and
     # without it, interleaved (/tmp script, 30-40 rounds, medians; equal programs differ by up to
-    # 2%): hf-vit 1.076x as fast, bert-tiny 1.056x, vit-tiny 1.042x, T5 encoder 1.037x,
-    # transformer-layer 1.033x, BERT 1.013x, DistilBERT 0.999x, Llama 1.001x. Chosen per GEMM by
+    # 2%): ConvNeXt-atto 1.105x as fast, hf-vit 1.076x, bert-tiny 1.056x, vit-tiny 1.042x, T5
+    # encoder 1.037x, transformer-layer 1.033x, MobileNet-V3-small 1.019x, BERT 1.013x,
+    # DistilBERT 0.999x, Llama 1.001x. Chosen per GEMM by
     # timing the two alone (the kernel on one thread's rows, sgemm_ on all), sgemm_ took 2 of
     # bert-tiny's 13 and 4 of BERT's 25, which then ran 0.965x and 0.959x: alone, sgemm_'s
     # packing reads a weight the cache holds, which in the model it does not.
