@@ -246,6 +246,21 @@ def test_gemm_weights_are_packed_once_and_again_when_they_change(dynamo):
     assert sum(len(c.compilations) for c in calls) == 1  # packed again, not compiled again
 
 
+@torch.no_grad()
+def test_packed_weights_of_a_long_k_take_the_kernel_only_in_mkls_order():
+    # Past lowering.gemm.PACKED_OWN_K the kernel ran slower than MKL's own kernels (an Intel CPU):
+    # there the probe decides, as in exact mode
+    from braze.lowering.gemm import PACKED_OWN_K
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(PACKED_OWN_K, 64), nn.ReLU(), nn.Linear(64, PACKED_OWN_K + 1)).eval()
+    model.append(nn.Linear(PACKED_OWN_K + 1, 32))
+    x = torch.randn(256, PACKED_OWN_K)
+    compiled = braze.compile(model, mode="fast")
+    assert _agrees(compiled(x), model, x)
+    assert _packs(compiled) == [3 if mkl_order() else 2]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 15])
 @pytest.mark.parametrize("n", [1, 2])
 @torch.no_grad()

@@ -162,17 +162,9 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
     rows = max(gemmkernel.MIN_ROWS * jit.mkl_threads(), -(-config.one_thread_gemm_flops // (2 * n * k)))
     if isinstance(m, int) and m < rows:
         return 0
-    # Fast mode, a weight packed once: the kernel on its panels, whatever MKL's order, where
-    # sgemm_ packs the weight on every call. Where MKL runs its own kernels (2 cores of an Intel
-    # Xeon, 2026-12-06; on AMD the probe below took these GEMMs already), fast mode with and
-    # without it, interleaved (/tmp script, 30-40 rounds, medians; equal programs differ by up to
-    # 2%): ConvNeXt-atto 1.105x as fast, hf-vit 1.076x, bert-tiny 1.056x, vit-tiny 1.042x, T5
-    # encoder 1.037x, transformer-layer 1.033x, MobileNet-V3-small 1.019x, BERT 1.013x,
-    # DistilBERT 0.999x, Llama 1.001x. Chosen per GEMM by
-    # timing the two alone (the kernel on one thread's rows, sgemm_ on all), sgemm_ took 2 of
-    # bert-tiny's 13 and 4 of BERT's 25, which then ran 0.965x and 0.959x: alone, sgemm_'s
-    # packing reads a weight the cache holds, which in the model it does not.
-    if packed:
+    # Fast mode, a weight packed once: the kernel on its panels, whatever MKL's order, up to
+    # PACKED_OWN_K (where MKL's order is the kernel's, the probe below takes the rest)
+    if packed and k <= PACKED_OWN_K:
         return rows
     # At the program's own K and N: at the fewest rows, and at its own rows (up to a cost: how
     # MKL splits the work between threads, and so which rows take its other path, depends on
@@ -181,6 +173,20 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
     probes = {(rows, k, n), (min(own_rows, max(rows, PROBE_MACS // (n * k))), k, n)}
     return rows if gemmkernel.same(tuple(probes), linear=blas["ta"]) else 0
 
+
+# Fast mode's GEMMs of a weight packed once, up to this K: the kernel on the panels, whatever MKL's
+# order (sgemm_ packs the weight on every call). Where MKL runs its own kernels (2 cores of an
+# Intel Xeon, 2026-12-06; on AMD the probe took these GEMMs already) the kernel alone ran 1.05-1.25x
+# sgemm_'s speed up to K = 768 and 0.84-0.89x at 1024 (one thread, median of 7). In the models,
+# fast mode with and without it (/tmp scripts, interleaved in one process, 25 rounds, medians;
+# programs that did not change differed by up to 2%): ConvNeXt-atto 1.102x as fast, vit-tiny
+# 1.066x, hf-vit 1.062x, MobileNet-V3-small 1.059x, bert-tiny 1.051x, T5 encoder 1.008x, BERT
+# 0.996x, transformer-layer 0.986x. On K = 1024 too, BERT ran 0.97-0.99x and hf-vit 0.96-0.99x
+# as fast as with this bound, and mlp-wide (K = 1024 and 4096) 0.94x eager against exact mode's
+# 1.04x. Chosen per GEMM by timing the two alone (once per shape: the kernel on one thread's rows,
+# sgemm_ on all), sgemm_ took 2 of bert-tiny's 13 and 4 of BERT's 25, which then ran 0.965x and
+# 0.959x: alone, sgemm_'s packing reads a weight the cache holds, in the model it does not.
+PACKED_OWN_K = 768
 
 # Fast mode: from this many weights (256 KB) a product of a few rows is the kernel's on packed
 # panels split between the threads, not MKL's gemv on one thread: memory-bound, it then reads the
