@@ -290,9 +290,10 @@ class CompiledFunction:
             if bound is None and self._signature() is not None:
                 return self.fn(*args, **kwargs)  # a call its signature refuses: eager's TypeError
             if bound is None:  # **kwargs in forward (Hugging Face models): TorchDynamo binds them
-                with self._lock:  # (one TorchDynamo capture for all threads)
-                    if self._dynamo is None:
-                        self._dynamo = self._through_dynamo("keyword arguments that cannot be bound positionally")
+                if self._dynamo is None:
+                    with self._lock:  # (one TorchDynamo capture for all threads)
+                        if self._dynamo is None:
+                            self._dynamo = self._through_dynamo("keyword arguments that cannot be bound positionally")
                 if self._dynamo is None:
                     return self.fn(*args, **kwargs)
                 return self._dynamo(*args, **kwargs)
