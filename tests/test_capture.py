@@ -306,7 +306,6 @@ class SignedReciprocal(torch.nn.Module):
 
 
 def test_dynamo_graphs_equal_to_one_compiled_before_share_its_program(monkeypatch):
-    global ZERO_SIGN
     model = SignedReciprocal()
     compiled = braze.compile(model)
     x = torch.randn(3, 5)
@@ -315,14 +314,13 @@ def test_dynamo_graphs_equal_to_one_compiled_before_share_its_program(monkeypatc
     assert_same(compiled(x), model(x))
     assert len(compiled._subgraphs) == 1 and len(compiled._subgraphs[0].compilations) == 1
     monkeypatch.setattr(sys.modules[__name__], "ZERO_SIGN", -1.0)  # another graph: -0.0 is not 0.0
-    out = compiled(x)
-    assert_same(out, model(x)) and bool((out < 0).all())  # (-inf: torch.equal takes -0.0 for 0.0)
+    assert_same(compiled(x), model(x))  # (each infinity's sign flips: the first graph's would not)
     assert len(compiled._subgraphs) == 2
 
 
 def test_threads_first_calling_a_model_fx_cannot_trace_share_one_dynamo_capture(monkeypatch):
     # Threads waiting for the wrapper's lock while the first one found that FX cannot trace the
-    # model each started a TorchDynamo capture of their own (4 threads: 6 graphs, 2 distinct).
+    # model each started a TorchDynamo capture of their own (4 threads: 4 captures).
     from braze import backend, capture
 
     captures, trace = [], capture.trace
