@@ -4,8 +4,9 @@ does not (see runtime.py), and a native body's memoized results' function.
 `BodyWriter` writes their source: per call only what must be done per call (allocate the
 outputs, write data pointers into the slot table, call the native segments and the ATen ops,
 rebuild the output structure), intermediates dropped after their last use as eager drops them.
-The helpers below it are what that source calls. A Python body's scratch buffers and slot
-table are per thread (`Workspace`).
+Beside it: the helpers that source calls (relaid, remember, scratch_view), what the writer and
+runtime.py both ask of a program (native_reads, memo_read), and a Python body's per-thread
+slot table and scratch buffers (`Workspace`).
 """
 
 from __future__ import annotations
