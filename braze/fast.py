@@ -178,7 +178,7 @@ class PackedWinograd(PackedConv):
         u, b, w = self._packed(params[:-1] if self.residual else params)
         relu = self.post_op[0] == "relu"
         y = winograd.conv2d(x, u, b, self.padding, relu, addend)
-        if y is None:  # an output not finite: where eager's would be, the direct way finds
+        if y is None:  # an output not finite (where eager's would be, the direct way finds), or no scratch
             y = torch.nn.functional.conv2d(x, w, b, padding=self.padding)
             y = y if addend is None else y + addend
             y = (torch.relu(y) if relu else y).contiguous(memory_format=torch.channels_last)

@@ -8,7 +8,7 @@ Winograd's F(2 x 2, 3 x 3): a native kernel built once per process into the JIT.
         `transformed(weight)`, 16 panels of usize floats (gemmkernel.pack's layout, depth rows
         each); threads: OpenMP's, each its share of the tiles, or with `by_columns` its share of
         the output channels (32 at a time) of every tile; *flag set where an output (before the
-        ReLU) is not finite
+        ReLU) is not finite, or where a thread could not have its scratch memory
 
 Why: oneDNN's direct convolution runs at the cores' peak (~210 GFLOP/s on two threads here), so
 only fewer multiplications go faster. Each 2 x 2 block of outputs (a tile) is A^T [(G g G^T) *
@@ -226,14 +226,19 @@ def _kernel(module: ll.Module) -> None:
         k.ms = b.call(alloc, [I64(64), b.mul(b.mul(k.chunk, b.add(k.o, I64(LANES))), I64(16 * 4))])
         k.bad = b.alloca(I16)
         b.store(I16(0), k.bad)
-        with counted_loop(b, k.lo, k.hi, k.chunk) as t0:
-            rows = smaller(b, b.sub(k.hi, t0), k.chunk)
-            _inputs(k, t0, rows)
-            _products(k, gemm, rows)
-            _outputs(k, t0, rows)
+        null = ll.Constant(PTR, None)
+        with b.if_else(b.and_(b.icmp_unsigned("!=", k.vs, null), b.icmp_unsigned("!=", k.ms, null))) as (got, none):
+            with got:
+                with counted_loop(b, k.lo, k.hi, k.chunk) as t0:
+                    rows = smaller(b, b.sub(k.hi, t0), k.chunk)
+                    _inputs(k, t0, rows)
+                    _products(k, gemm, rows)
+                    _outputs(k, t0, rows)
+            with none:  # no scratch memory: flagged, and the caller computes the call the direct way
+                b.store(I16(1), k.bad)
         with b.if_then(b.icmp_unsigned("!=", b.load(k.bad, typ=I16), I16(0))):
             b.atomic_rmw("or", k.flag, I64(1), "monotonic")
-        b.call(free, [k.vs])
+        b.call(free, [k.vs])  # (free(NULL) does nothing)
         b.call(free, [k.ms])
     b.ret_void()
     _entry(module, team, types)
@@ -279,7 +284,8 @@ def conv2d(
     """The 3 x 3 convolution of float32 x [N, C, H, W] by the weight u was made from
     (`transformed`), plus bias [O] (contiguous: one per output channel), plus `addend` (of the
     result's shape) where given, ReLU'd where `relu`:
-    channels-last [N, O, OH, OW]; None where an output is not finite (see above). x is read as
+    channels-last [N, O, OH, OW]; None where an output is not finite (see above) or the kernel's
+    scratch memory could not be had (the caller computes it the direct way). x is read as
     channels-last pixels (made so if it is not). Threads split the tiles, or where each would
     have fewer than 2 * MIN_CHUNK of them, the output channels (each thread then reads its part
     of the weight, not all of it: ResNet-18's 512 -> 512 at 7 x 7, 16 tiles, 1.29x faster so, the

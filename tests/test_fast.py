@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -720,6 +722,22 @@ def test_the_winograd_kernel_gives_up_where_an_output_is_not_finite(special):
     assert winograd.conv2d(x, u, b, [1, 1], True) is None
     x[0, 3, 2, 4] = 1.0
     assert winograd.conv2d(x, u, b, [1, 1], True) is not None
+
+
+_NO_SCRATCH = """
+import torch
+from braze import winograd
+winograd.chunk = lambda c, o: 1 << 50  # each thread's scratch: ~2^62 bytes, which aligned_alloc refuses
+x = torch.randn(1, 16, 6, 6).contiguous(memory_format=torch.channels_last)
+u, b = winograd.transformed(torch.randn(16, 16, 3, 3)), torch.zeros(16)
+print(winograd.conv2d(x, u, b, [1, 1], True) is None)
+"""
+
+
+def test_the_winograd_kernel_gives_up_where_it_cannot_have_its_scratch_memory():
+    # (a subprocess: written through a null pointer, the kernel would take the test run down)
+    proc = subprocess.run([sys.executable, "-c", _NO_SCRATCH], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True"], proc.stderr[-2000:]
 
 
 def _resnet_block() -> nn.Module:
