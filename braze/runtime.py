@@ -203,13 +203,12 @@ class Program:
             return "a parameter is no longer registered where it was"  # set to None, or a tied one replaced
         if any(len(table) != n for table, n in self._hooks):
             return "a forward hook was added or removed"
-        indices = {n.name: n.attrs["index"] for n in self.graph.nodes if n.op is Op.INPUT}
-        given = {n: args[i] for n, i in indices.items()} | dict(zip(self.param_names, self.params))
+        given = self._named(args)
         if any(given[n].requires_grad != want for n, want in self.grad_read.items()):
             return "a weight's requires_grad changed (ATen's matmul folds a batch where it is set)"
         if any(_attributes(d) != was for d, was in self._attributes):
             return ATTRIBUTE_CHANGED
-        unpacked = self._repack(args)
+        unpacked = self._repack(given)
         if unpacked:
             return unpacked
         self._descriptor.refresh_versions()  # (another training flag: the entry checks those it needs)
@@ -221,15 +220,19 @@ class Program:
         """How often its packed weights were packed again (they changed)."""
         return sum(pack.repacks for pack, _ in self.packs)
 
-    def _repack(self, args: tuple[Any, ...]) -> str:
+    def _named(self, args: tuple[Any, ...]) -> dict[str, Any]:
+        """The program's arguments (`args`) and parameters as they are now, by their nodes' names."""
+        named = {n.name: args[n.attrs["index"]] for n in self.graph.nodes if n.op is Op.INPUT}
+        return named | dict(zip(self.param_names, self.params))
+
+    def _repack(self, given: dict[str, Any]) -> str:
         """Pack again each weight that changed since it was packed (another tensor, moved, or
-        changed in place); or say why the program compiles again: a weight no longer fits its
-        pack, or one keeps changing (packed again more than fast.REPACKS times: a training loop
-        between calls, weight sets taking turns), which the program then reads in place."""
-        inputs = {n.name: n.attrs["index"] for n in self.graph.nodes if n.op is Op.INPUT}
-        current = dict(zip(self.param_names, self.params))
+        changed in place; `given`: _named's); or say why the program compiles again: a weight no
+        longer fits its pack, or one keeps changing (packed again more than fast.REPACKS times: a
+        training loop between calls, weight sets taking turns), which the program then reads in
+        place."""
         for pack, source in self.packs:
-            t = current[source] if source in current else args[inputs[source]]
+            t = given[source]
             if not pack.stale(t):
                 continue
             if not pack.fits(t):
