@@ -75,7 +75,7 @@ def run(name: str, model: torch.nn.Module, backend: str, rounds: int = 9) -> dic
     rate = lambda k: NEW_TOKENS / statistics.median(t[k] for t in times)  # noqa: E731
     compiles = ""
     if backend != "inductor":
-        n = len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+        n = compiled.compilation_count()
         compiles = f"; {n} braze compilations in {len(compiled._subgraphs)} TorchDynamo graphs"
     print(
         f"{name} {backend}: tokens torch.equal to eager's: {equal}{compiles}; warm-up generate "

@@ -74,7 +74,7 @@ def run(name: str, rounds: int = 15, calls: int = 20) -> None:
             eager = clock(model, forms["positional"])
             for form, call in forms.items():
                 ratios[form].append(eager / clock(compiled, call))
-    n = len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+    n = compiled.compilation_count()
     cells = ", ".join(f"{form} {statistics.median(r):.2f}x (equal: {equal[form]})" for form, r in ratios.items())
     print(f"{name}: {cells}; {n} braze compilations")
 

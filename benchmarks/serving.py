@@ -29,10 +29,6 @@ import torch
 import braze
 
 
-def _compilations(compiled: braze.CompiledFunction) -> int:
-    return len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
-
-
 def _timed(fn, *args, **kwargs) -> tuple[object, float]:
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
@@ -59,7 +55,7 @@ def stream(name: str, model: torch.nn.Module, calls: list[tuple[tuple, dict]]) -
                     else:
                         braze_s += took
             equal &= torch.equal(_first(outs[True]), _first(outs[False]))
-    n = _compilations(compiled)
+    n = compiled.compilation_count()
     print(
         f"{name}: {len(calls)} calls, all torch.equal to eager: {equal}; {n} compilations; "
         f"calls 11-{len(calls)}: braze {braze_s * 1e3:.1f} ms, eager {eager_s * 1e3:.1f} ms "
@@ -78,7 +74,7 @@ def steady(name: str, model: torch.nn.Module, kwargs: dict, rounds: int = 15, nu
             e = min(_timed(lambda: [model(**kwargs) for _ in range(number)])[1] for _ in range(2))
             b = min(_timed(lambda: [compiled(**kwargs) for _ in range(number)])[1] for _ in range(2))
             ratios.append(e / b)
-    n = _compilations(compiled)
+    n = compiled.compilation_count()
     print(
         f"{name}: first call {first * 1e3:.0f} ms; torch.equal: {equal}; {n} compilation(s); "
         f"speed-up vs eager {statistics.median(ratios):.2f}x (median of {rounds} interleaved rounds)"
@@ -97,7 +93,7 @@ def generate(name: str, model: torch.nn.Module, ids: torch.Tensor, mask: torch.T
         for _ in range(3):
             got, took = _timed(model.generate, ids, **kwargs)
             equal = equal and torch.equal(got, want)  # (each generate's tokens)
-            counts.append(_compilations(compiled))
+            counts.append(compiled.compilation_count())
             times.append(f"{took * 1e3:.0f}")
     print(
         f"{name}: tokens torch.equal to eager: {equal}; compilations after each generate {counts}; "

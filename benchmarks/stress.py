@@ -103,7 +103,7 @@ def check(name: str, mode: str, seconds: float) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    compilations = len(compiled.compilations) + sum(len(s.compilations) for s in compiled._subgraphs)
+    compilations = compiled.compilation_count()
     return counts | {"compilations": compilations, "first errors": errors}
 
 

@@ -595,6 +595,11 @@ class CompiledFunction:
         constants of the default dtype."""
         return (*(m.training for m in self._watched), torch.get_default_dtype())
 
+    def compilation_count(self) -> int:
+        """How many programs it compiled, its TorchDynamo graphs' too (each with why and how
+        long: `compilations`, and each graph's)."""
+        return len(self.compilations) + sum(sub.compilation_count() for sub in self._subgraphs)
+
     def programs(self) -> list[Program]:
         """The compiled specialisations this wrapper holds, oldest first."""
         own = [p for p in self._cache.values() if isinstance(p, Program)]
