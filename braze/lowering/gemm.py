@@ -175,14 +175,14 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
 
 
 # Fast mode's GEMMs of a weight packed once, up to this K: the kernel on the panels, whatever MKL's
-# order (sgemm_ packs the weight on every call). Where MKL runs its own kernels (2 cores of an
-# Intel Xeon, 2026-12-06; on AMD the probe took these GEMMs already) the kernel alone ran 1.05-1.25x
-# sgemm_'s speed at the text models' shapes up to K = 768, 0.84x at K = 1024 (512 rows, 256
-# columns) and 0.89-0.97x on the largest outputs (512-1024 x 1024, K = 256) (one thread, median
-# of 7). In the models, fast mode with and without it (/tmp scripts, interleaved in one process,
-# 25 rounds, medians; programs that did not change differed by up to 2%): ConvNeXt-atto 1.102x as fast, vit-tiny
-# 1.066x, hf-vit 1.062x, MobileNet-V3-small 1.059x, bert-tiny 1.051x, T5 encoder 1.008x, BERT
-# 0.996x, transformer-layer 0.986x. On K = 1024 too, BERT ran 0.97-0.99x and hf-vit 0.96-0.99x
+# order (sgemm_ packs the weight on every call). Where MKL runs its own kernels (2 cores of an Intel
+# Xeon, 2026-12-06; on AMD the probe took these GEMMs already) the kernel alone ran 1.05-1.25x
+# sgemm_'s speed at the text models' shapes up to K = 768, 0.84x at K = 1024 (512 rows, 256 columns)
+# and 0.89-0.97x on the largest outputs (512-1024 x 1024, K = 256) (one thread, median of 7). In the
+# models, fast mode with and without it (/tmp scripts, interleaved in one process, 25 rounds,
+# medians; programs that did not change differed by up to 2%): ConvNeXt-atto 1.102x as fast,
+# vit-tiny 1.066x, hf-vit 1.062x, MobileNet-V3-small 1.059x, bert-tiny 1.051x, T5 encoder 1.008x,
+# BERT 0.996x, transformer-layer 0.986x. On K = 1024 too, BERT ran 0.97-0.99x and hf-vit 0.96-0.99x
 # as fast as with this bound, and mlp-wide (K = 1024 and 4096) 0.94x eager against exact mode's
 # 1.04x. Chosen per GEMM by timing the two alone (once per shape: the kernel on one thread's rows,
 # sgemm_ on all), sgemm_ took 2 of bert-tiny's 13 and 4 of BERT's 25, which then ran 0.965x and
