@@ -128,29 +128,59 @@ class PackedLinear(Packed):
 class PackedConv(Packed):
     """`conv2d(x, w, b)`, then eval batch_norm(mean, var, gamma, beta) if given (folded into w and
     b in float64), through oneDNN on the folded weight packed once (and again when any tensor it
-    came from changes). Its result is channels-last."""
+    came from changes). Its result is channels-last.
+
+    With `pieces` > 1, each group's input channels are split into that many pieces: one call of
+    groups * pieces groups (the pieces' weights side by side) gives each piece's sums, added
+    after. oneDNN sums an output over all its channels and taps in one chain, where eager's
+    convolution of NCHW images sums 16 channels at a time: the pieces keep fast mode's error
+    near eager's (lowering.conv.CHANNELS_PER_PIECE)."""
 
     __name__ = "packed_conv2d"
 
-    def __init__(self, padding: list[int], stride: list[int], dilation: list[int], groups: int, size: list[int]):
+    def __init__(
+        self, padding: list[int], stride: list[int], dilation: list[int], groups: int, size: list[int], pieces: int = 1
+    ):
         self.padding, self.stride, self.dilation, self.groups = padding, stride, dilation, groups
         self.size = size  # the input size oneDNN packs for (others work, maybe slower)
+        self.pieces = pieces
         self.eps: float | None = None  # batch_norm's, once one is folded in
         self.residual = False  # a tensor added to the result is the call's last argument (Winograd's)
 
     def _config(self) -> tuple[Any, ...]:
-        return (self.padding, self.stride, self.dilation, self.groups, self.eps, self.residual)
+        return (self.padding, self.stride, self.dilation, self.groups, self.pieces, self.eps, self.residual)
+
+    def takes(self, attr: str) -> bool:
+        return self.pieces == 1 and super().takes(attr)  # (in pieces, an activation follows the sum)
 
     def __call__(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         w, b = self._packed(params)
         attr, algorithm = self.post_op
-        args = (self.padding, self.stride, self.dilation, self.groups, attr, [], algorithm)
-        return torch.ops.mkldnn._convolution_pointwise(x, w, b, *args)
+        args = (self.padding, self.stride, self.dilation, self.groups * self.pieces, attr, [], algorithm)
+        y = torch.ops.mkldnn._convolution_pointwise(x, w, b, *args)
+        if self.pieces == 1:
+            return y
+        n, _, oh, ow = y.shape
+        sums = y.permute(0, 2, 3, 1).reshape(n, oh, ow, self.groups, self.pieces, -1).sum(4)
+        return sums.view(n, oh, ow, -1).permute(0, 3, 1, 2)
 
     def _pack(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:
         w, b = self._folded(w, b, *bn)
-        args = (self.padding, self.stride, self.dilation, self.groups, self.size)
+        if self.pieces > 1:
+            w, b = self._in_pieces(w, b)
+        args = (self.padding, self.stride, self.dilation, self.groups * self.pieces, self.size)
         return torch.ops.mkldnn._reorder_convolution_weight(w.contiguous(), *args), b
+
+    def _in_pieces(self, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight of groups * pieces groups, [group, piece, output, channels of the piece, kh,
+        kw], and its bias: each group's bias in its first piece, 0 in the others."""
+        o, c, kh, kw = w.shape
+        g, s = self.groups, self.pieces
+        w = w.view(g, o // g, s, c // s, kh, kw).transpose(1, 2).reshape(g * s * (o // g), c // s, kh, kw)
+        bias = torch.zeros(g, s, o // g)
+        if b is not None:
+            bias[:, 0] = b.view(g, o // g)
+        return w, bias.view(-1)
 
     def _folded(self, w: torch.Tensor, b: torch.Tensor | None, *bn: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The weight and bias with the batch_norm after the convolution (if any) folded in."""

@@ -83,8 +83,10 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     elif _small(x, w, out, groups):
         return _aten_conv(lw, (x, w, b, stride, padding, dilation, groups))
     else:
-        packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape))
+        pieces = _pieces(w)
+        packed = fast.PackedConv(padding, stride, dilation, groups, list(x.meta.shape), pieces)
         why = "fast mode: oneDNN's convolution on a packed weight, channels-last"
+        why += f", its input channels in {pieces} pieces (accuracy)" if pieces > 1 else ""
         label = "conv2d (oneDNN, packed weight)"
     # Its example value without packing, eager's: a batch_norm after it, folded into its weight,
     # has it packed again (fold_batch_norm; ResNet-18's 13 Winograd convolutions were transformed
@@ -113,6 +115,29 @@ def _small(x: Sym, w: Sym, out: Any, groups: int) -> bool:
         x.meta.permute(0, 2, 3, 1).is_contiguous()
         and out.numel() * math.prod(w.meta.shape[1:]) < fast.PACKED_CONV_MIN_MACS
     )
+
+
+# oneDNN's packed convolution sums each output over all its input channels and taps in one
+# chain; eager's of NCHW images (kernels larger than 1 x 1) sums blocks of 16 channels and adds
+# those sums (bit for bit so at 3 of 5 shapes tried), so the packed call's error grows as about
+# sqrt(channels / 16) times eager's at the RMS, more at the maximum: ResNet's 3 x 3 / 2 of 256
+# channels 3.7x and 6.6x, of 512 4.9x and 6.5x; a 7 x 7 of 128 channels put a model outside the
+# accuracy contract (2 images of 14-28 pixels square, /tmp scripts, 2026-12-06). Beyond this
+# many channels a group, the call computes in pieces of at most this many (fast.PackedConv):
+# 1.3-1.4x eager's RMS error and 1.1-1.8x its maximum, at 0.75-1.04x the one call's speed (64
+# a piece: 1.9x and up to 3.3x). (Of a model eager runs channels-last the one call gives eager's
+# own sums; the lowering's examples, in fast mode's layouts, do not say which it is.)
+CHANNELS_PER_PIECE = 32
+
+
+def _pieces(w: Sym) -> int:
+    """How many pieces fast.PackedConv splits each group's input channels into: 1 for a 1 x 1
+    kernel or CHANNELS_PER_PIECE channels or fewer; else the fewest that divide them into pieces
+    of at most CHANNELS_PER_PIECE."""
+    c, kernel = w.meta.shape[1], tuple(w.meta.shape[2:])
+    if kernel == (1, 1) or c <= CHANNELS_PER_PIECE:
+        return 1
+    return next(s for s in range(-(-c // CHANNELS_PER_PIECE), c + 1) if c % s == 0)
 
 
 def _aten_conv(lw: Lowerer, given: tuple) -> Sym:
