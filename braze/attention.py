@@ -2,7 +2,7 @@
 causal or not, with a boolean or additive float mask or none, built once per process into the JIT:
 
     braze_attention[_bool|_float](q, k, v, out, mask, H, group, T, S, d,
-                    <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi)
+                    <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi, error)
 
 for the rows [lo, hi) of the (batch, head, query) rows, which codegen splits evenly between
 threads (split by (batch, head) pair, ViT-Tiny's three heads kept one of two threads waiting a
@@ -15,7 +15,10 @@ of the panel), each row's softmax is taken unnormalised (its max, Sleef's exp of
 and a row whose max is -inf gives 0; causal rows stop at their own key), the same kernel
 multiplies the block by v read in place (its rows are the panels' rows), and the rows are divided
 by their sums. d must be a multiple of 32. Not eager's arithmetic (ATen's flash attention blocks keys and rescales as it
-goes): within the accuracy contract, at ATen's error against float64 here.
+goes): within the accuracy contract, at ATen's error against float64 here. A thread that
+cannot have its scratch memory (the packed keys and a block's scores: 4 (S + 31) (d + 6) bytes)
+computes nothing and sets OUT_OF_MEMORY in the word `error` points to (the program raises
+torch.OutOfMemoryError).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .codegen import (
     I32,
     I64,
     LANES16,
+    OUT_OF_MEMORY,
     PTR,
     VOID,
     combine_lanes,
@@ -50,8 +54,8 @@ NAME = "braze_attention"
 NAMES = [NAME, f"{NAME}_bool", f"{NAME}_float"]  # by kind of mask: none, boolean, additive float
 MR, NR = 6, 32  # queries per block (12 accumulators), keys or head dimensions per panel
 # q, k, v, out, mask; heads, group, T, S, d; b, h, t strides of q, k, v, out and mask; scale,
-# causal, lo, hi
-ARGS = [PTR] * 5 + [I64] * 5 + [I64] * 15 + [F32, I64, I64, I64]
+# causal, lo, hi; the program's error word
+ARGS = [PTR] * 5 + [I64] * 5 + [I64] * 15 + [F32, I64, I64, I64, PTR]
 
 
 def _pack_keys(b: ll.IRBuilder, k: ll.Value, ldk: ll.Value, s: ll.Value, d: ll.Value, packed: ll.Value) -> None:
@@ -182,10 +186,13 @@ def _entry(module: ll.Module, kind: int) -> None:
     malloc = declared(module, "malloc", PTR, [I64])
     free = declared(module, "free", VOID, [PTR])
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAMES[kind])
-    q, k, v, out, mask, heads, group, t_, s, d, *strides, scale, causal, lo, hi = f.args
+    q, k, v, out, mask, heads, group, t_, s, d, *strides, scale, causal, lo, hi, error = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
     scratch = b.call(malloc, [b.mul(b.mul(spad, b.add(d, I64(MR))), I64(4))])
+    with b.if_then(b.icmp_unsigned("==", scratch, ll.Constant(PTR, None))):
+        b.atomic_rmw("or", error, I64(OUT_OF_MEMORY), "monotonic")
+        b.ret_void()
     scores = b.gep(scratch, [b.mul(spad, d)], source_etype=F32)
     rows = b.select(b.icmp_signed(">", t_, I64(1)), t_, I64(1))  # (T, or 1 where T is 0: no rows)
     # the pairs with rows in [lo, hi), each from its first row there to its last

@@ -107,7 +107,7 @@ class EntrySpec:
     symbols: tuple[tuple[int, int, int], ...] = ()  # (slot, smallest, largest value): a generic program's
     int_symbols: tuple[tuple[int, int], ...] = ()  # (position, slot): int arguments that are symbols
     names: tuple[str, ...] = ()  # the parameters' names, where keyword arguments may name them
-    error_slot: int = -1  # the table's word a kernel sets on a bad index: the call raises IndexError
+    error_slot: int = -1  # the table's word kernels set (codegen.BAD_INDEX, OUT_OF_MEMORY): the call raises
     failed_slot: int = -1  # the table's word set when an ATen call of a native body fails (codegen/calls.py)
     memo_slots: tuple[int, ...] = ()  # where a native body reads its memoized results (the `memo` field's)
     # (a module's `_parameters` or `_buffers`, a name, a parameter's tensor record): that the
@@ -152,6 +152,7 @@ SYMBOL_WORDS = ("slot", "lo", "hi")
 INT_SYMBOL_WORDS = ("pos", "slot")
 MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 INDEX_ERROR = "index out of range in self"  # eager's message for an embedding index out of range
+OOM_ERROR = "braze: out of memory for a compiled program's buffers"
 
 
 def _words(values: list[int]) -> Any:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .codegen import Segment
+from . import entry
+from .codegen import OUT_OF_MEMORY, Segment
 from .dims import Expr
 from .ir import Node, Op, TensorMeta
 from .lowering import Lowered, Sym
@@ -101,6 +102,18 @@ def memo_read(prog: Program) -> list[str]:
     owner, g = prog.layout.owner, prog.graph
     used = {owner[v] for n in g.nodes if n.op is not Op.VIEW and not n.attrs.get("memo") for v in n.value_inputs()}
     return [n.name for n in g.nodes if n.attrs.get("memo") and (n.name in used or n.name in prog.reads)]
+
+
+FLAGGING = (Op.EMBEDDING, Op.ATTENTION)  # kernels that may set the program's error word
+
+
+def raise_flagged(word: int | None) -> None:
+    """Raise what the bits a segment's kernels set in the program's error word call for (the
+    table's words are pointers: None where 0)."""
+    if word and word & OUT_OF_MEMORY:
+        raise torch.OutOfMemoryError(entry.OOM_ERROR)
+    if word:
+        raise IndexError(entry.INDEX_ERROR)
 
 
 def relaid(t: Any, shape: tuple, stride: tuple, dtype: torch.dtype) -> bool:
@@ -254,12 +267,12 @@ class BodyWriter:
                 self.lines.append(f"    t[{self.prog.layout.slot[k.name]}] = {k.name}.data_ptr()")
                 self._own(k.name, k.name, m)
         memory = sorted(v for v in native_reads(self.prog, [self.prog.segments[i]]) if self.base.get(v, ("",))[0] == v)
-        checked = any(k.op is Op.EMBEDDING for k in self.prog.segments[i].kernels)
+        checked = any(k.op in FLAGGING for k in self.prog.segments[i].kernels)
         if checked:
             self.lines.append(f"    t[{self.prog.layout.error}] = 0")
         self.lines.append(f"    _seg{i}(ws.addr)" + (f"  # on {', '.join(memory)}" if memory else ""))
         if checked:
-            self.lines.append(f"    if t[{self.prog.layout.error}]: raise IndexError(INDEX_ERROR)")
+            self.lines.append(f"    _raise_flagged(t[{self.prog.layout.error}])")
 
     def _py(self, x: Any) -> str:
         if isinstance(x, Sym):

@@ -54,7 +54,7 @@ class Layout:
     owner: dict[str, str] = field(default_factory=dict)
     scratch_bytes: dict[int, int] = field(default_factory=dict)  # tmp buffer id -> bytes
     tmp_slot: dict[int, int] = field(default_factory=dict)
-    error: int | None = None  # the word a kernel sets on a bad index (EMBEDDING): raise IndexError
+    error: int | None = None  # the word kernels set (codegen.BAD_INDEX, OUT_OF_MEMORY): the call raises
 
 
 def _layout(graph: Graph) -> Layout:
@@ -75,7 +75,7 @@ def _layout(graph: Graph) -> Layout:
             lay.slot[n.name] = lay.tmp_slot[buf]
         else:
             lay.slot[n.name] = len(lay.slot)
-    if any(n.op is Op.EMBEDDING for n in graph.nodes):
+    if any(n.op in pybody.FLAGGING for n in graph.nodes):
         lay.error = lay.slot["#error"] = len(lay.slot)
     return lay
 
@@ -521,7 +521,7 @@ class Program:
         ns["_stale"] = self._went_stale
         ns["_memo"] = self.memo
         ns["_remember"] = pybody.remember
-        ns["INDEX_ERROR"] = entry.INDEX_ERROR
+        ns["_raise_flagged"] = pybody.raise_flagged
         return ns
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import braze
-from braze import fast, gemmkernel, winograd
+from braze import codegen, fast, gemmkernel, pybody, winograd
 from braze.accuracy import measure
 from braze.ir import Op
 
@@ -1062,6 +1062,38 @@ def test_attention_is_native_in_fast_mode(b, h, t, s, d, tokens_first, causal, n
     (prog,) = compiled.programs()
     assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.ATTENTION) == 1
     assert out.shape == eager.shape
+
+
+_NO_ATTENTION_SCRATCH = """
+import resource, torch, braze
+f = braze.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v), mode="fast")
+q, k, v = torch.randn(1, 1, 1, 64), torch.randn(1, 1, 200_000, 64), torch.randn(1, 1, 200_000, 64)
+with torch.no_grad():
+    expected = f(q, k, v)  # compiled, its threads started; the kernel's scratch: ~56 MB a thread
+    used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), resource.RLIM_INFINITY))
+    try:
+        f(q, k, v)
+    except torch.OutOfMemoryError:
+        print("OutOfMemoryError")
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(torch.equal(f(q, k, v), expected), [n.op.name for n in f.programs()[0].graph.nodes][-1])
+"""
+
+
+def test_attention_without_its_scratch_memory_raises_out_of_memory():
+    # (a subprocess whose address space is then capped: the kernel wrote through a null pointer)
+    proc = subprocess.run([sys.executable, "-c", _NO_ATTENTION_SCRATCH], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["OutOfMemoryError", "True ATTENTION"], proc.stdout
+
+
+def test_the_error_words_bits_raise_in_a_python_body_as_in_a_native_one():
+    pybody.raise_flagged(None)  # (a table word of 0)
+    with pytest.raises(IndexError, match="index out of range in self"):
+        pybody.raise_flagged(codegen.BAD_INDEX)
+    with pytest.raises(torch.OutOfMemoryError):
+        pybody.raise_flagged(codegen.BAD_INDEX | codegen.OUT_OF_MEMORY)
 
 
 def test_attention_keeps_eagers_special_values():

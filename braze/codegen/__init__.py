@@ -65,7 +65,14 @@ from .loops import (
     split_between_threads,
 )
 
+# The bits of a program's error word (its table's, runtime.Layout.error): an embedding's index out
+# of range (the call raises IndexError), a kernel without the scratch memory it allocates for
+# itself (attention.py; torch.OutOfMemoryError)
+BAD_INDEX, OUT_OF_MEMORY = 1, 2
+
 __all__ = [
+    "BAD_INDEX",
+    "OUT_OF_MEMORY",
     "F32",
     "I1",
     "I8",
@@ -151,7 +158,7 @@ class ModuleBuilder(GemmEmitter):
         error_slot: int | None = None,
     ) -> None:
         self.module = ll.Module(name=prefix)
-        self.error_slot = error_slot  # the table's word a kernel sets on a bad index (EMBEDDING)
+        self.error_slot = error_slot  # the table's word kernels set (BAD_INDEX, OUT_OF_MEMORY)
         self.symbol_slots = symbol_slots  # the table slot holding each symbol's value
         self.prefix = prefix
         self.slot_of = slot_of
@@ -494,7 +501,9 @@ class ModuleBuilder(GemmEmitter):
             group = kb.sdiv(dim(heads), dim(kv_heads))
             sizes = [dim(heads), group, dim(queries), dim(keys), dim(d)]
             flags = [F32(k.attrs["scale"]), I64(int(k.attrs["causal"]))]
-            kb.call(fn, [*ptrs, *sizes, *strides, *flags, lo, hi])
+            assert self.error_slot is not None
+            error = kb.gep(tbl, [I64(self.error_slot)], source_etype=PTR)
+            kb.call(fn, [*ptrs, *sizes, *strides, *flags, lo, hi, error])
 
     def _mask_pointer(self, b: ll.IRBuilder, table: ll.Value, mask: Access) -> ll.Value:
         """The address of a mask's first element, boolean (bytes) or float."""
@@ -533,7 +542,7 @@ class ModuleBuilder(GemmEmitter):
                         out = kb.gep(dst, [kb.mul(r, width)], source_etype=F32)
                         kb.call(memcpy, [out, row, row_bytes, I1(0)])
                     with bad:
-                        kb.atomic_rmw("xchg", flag, I64(1), "monotonic")  # threads may race to it
+                        kb.atomic_rmw("or", flag, I64(BAD_INDEX), "monotonic")  # threads may race to it
 
 
 # The ModuleBuilder method that writes each kind of kernel other than elementwise loops.

@@ -16,6 +16,7 @@ from ..entry import (
     MODULE_WORDS,
     MXCSR_FLUSH,
     NULL,
+    OOM_ERROR,
     OUTPUT_WORDS,
     OWNER_WORDS,
     PACK_WORDS,
@@ -46,7 +47,7 @@ from ..jit import (
     shim_constant,
     version_offsets,
 )
-from . import I1, I8, I32, I64, PTR, VOID, ModuleBuilder, counted_loop
+from . import I1, I8, I32, I64, OUT_OF_MEMORY, PTR, VOID, ModuleBuilder, counted_loop
 
 HUGE_PAGE, MADV_HUGEPAGE = 2 << 20, 14  # (Linux x86-64)
 
@@ -493,15 +494,18 @@ class Runtime:
             self._returned(b, d, k, self.item(b, handles, k), table, oom)
         bad_index = fn.append_basic_block("bad_index")
         done = fn.append_basic_block("done")
-        flagged = self._alloca(b, ll.IntType(1))
-        b.store(ll.IntType(1)(0), flagged)
+        word = self._alloca(b, I64)
+        b.store(I64(0), word)
         with b.if_then(checked):
-            b.store(b.icmp_unsigned("!=", b.load(self.item(b, table, error_slot), typ=PTR), NULL), flagged)
-        b.cbranch(b.load(flagged, typ=ll.IntType(1)), bad_index, done)
+            b.store(b.ptrtoint(b.load(self.item(b, table, error_slot), typ=PTR), I64), word)
+        flags = b.load(word, typ=I64)
+        with b.if_then(b.icmp_unsigned("!=", b.and_(flags, I64(OUT_OF_MEMORY)), I64(0))):
+            b.branch(oom)
+        b.cbranch(b.icmp_unsigned("!=", flags, I64(0)), bad_index, done)
         b.position_at_end(done)
         self._results(b, d, handles)
         self._fail(b, fn, bad_index, handles, "index_error", INDEX_ERROR)
-        self._fail(b, fn, oom, handles, "oom", "braze: out of memory for a compiled program's buffers")
+        self._fail(b, fn, oom, handles, "oom", OOM_ERROR)
         return fn
 
     def _fail(self, b: ll.IRBuilder, fn: ll.Function, block: ll.Block, handles: ll.Value, kind: str, text: str) -> None:
