@@ -31,16 +31,18 @@ Per block of K, 32 columns at a time: a [K, N] weight is read in place (the last
 panel copied into a zero-padded one), a [N, K] one packed into a panel on the stack, 16 x 16
 blocks loaded along K and transposed in registers (each thread packs the panels it computes:
 exact mode keeps no weight between calls, so none can be stale), or in fast mode read from
-the panels `pack` made once. Then one register-blocked kernel of
-6 rows x 32 columns per 6 rows: 12 AVX-512 accumulators, per k one broadcast of x per row and
-two loads of the panel.
+the panels `pack` made once. A block longer than KC (`chunk`: oneDNN's orders) packs its panel
+on the heap; where the heap refuses it, each row's block is computed in pieces of KC packed on
+the stack, each piece's sums the next one's seed: the same chain of FMAs, slower. Then one
+register-blocked kernel of 6 rows x 32 columns per 6 rows: 12 AVX-512 accumulators, per k one
+broadcast of x per row and two loads of the panel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import llvmlite.ir as ll
 import torch
@@ -260,6 +262,31 @@ def pack(w: torch.Tensor, out: torch.Tensor) -> None:
     out.view(*lead, rows // NR, kp, NR).copy_(w.reshape(*lead, rows // NR, NR, kp).transpose(-1, -2))
 
 
+def _panel_plain(
+    b: ll.IRBuilder,
+    w: ll.Value,
+    ldw: ll.Value,
+    k0: ll.Value,
+    j0: ll.Value,
+    depth: ll.Value,
+    ncols: ll.Value,
+    buf: ll.Value,
+    by_rows: bool,
+) -> tuple[ll.Value, ll.Value]:
+    """The panel of W [K, N] (`by_rows`) or [N, K] copied into `buf` a value at a time, zeros past
+    N: for the path where the heap refuses a long panel (slow, and little code: a second copy
+    of _panel_nk and _panel_kn made the drivers' builds take 15-40 ms longer)."""
+    floats = b.bitcast(buf, F32.as_pointer())  # (the stack's panel is typed as vectors)
+    with counted_loop(b, I64(0), depth) as kk:
+        with counted_loop(b, I64(0), I64(NR)) as jj:
+            inside = b.icmp_signed("<", jj, ncols)
+            k, j = b.add(k0, kk), b.add(j0, b.select(inside, jj, I64(0)))
+            at = b.add(b.mul(k, ldw), j) if by_rows else b.add(b.mul(j, ldw), k)
+            value = b.select(inside, b.load(b.gep(w, [at], source_etype=F32), typ=F32), F32(0.0))
+            b.store(value, b.gep(floats, [b.add(b.mul(kk, I64(NR)), jj)], source_etype=F32))
+    return buf, I64(NR)
+
+
 def _panel_packed(
     b: ll.IRBuilder,
     w: ll.Value,
@@ -275,9 +302,22 @@ def _panel_packed(
 
 
 def _rows(module: ll.Module, name: str, panel_of: Callable, seeded: bool) -> None:
+    """The driver `name`, and the path it takes where the heap refuses a long block's panel."""
+    _driver(module, name, panel_of, seeded, _driver(module, f"{name}_pieces", panel_of, seeded, None))
+
+
+def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, pieces: ll.Function | None) -> ll.Function:
+    """With `pieces`: the driver, which packs a block longer than KC on the heap and calls
+    `pieces` where the heap refuses. None: that path, each row's block in pieces of KC packed on
+    the stack, each piece's sums carried into the next as its seed (a row of columns): the same
+    chain of FMAs, so the same bits, slower (internal, and not optimised: it has to work, not to
+    be fast, and the drivers' builds took 10-40 ms longer with it optimised)."""
     kernels = {mr: declared(module, f"{BLOCKS}_{mr}", VOID, BLOCK_ARGS) for mr in range(1, MR + 1)}
-    alloc, free = declared(module, "aligned_alloc", PTR, [I64, I64]), declared(module, "free", VOID, [PTR])
     f = ll.Function(module, ll.FunctionType(VOID, ARGS), name)
+    if pieces is None:
+        f.linkage = "internal"
+        f.attributes.add("noinline")
+        f.attributes.add("optnone")
     x, ldx, w, ldw, c, ldc, init, ldi, n, k, lo, hi, chunk = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
@@ -286,38 +326,69 @@ def _rows(module: ll.Module, name: str, panel_of: Callable, seeded: bool) -> Non
         stack = b.alloca(LANES16, size=I64((KC + 16) * NR // 16))
     mkl = b.select(b.icmp_signed("<=", k, I64(KC)), k, smaller(b, I64(KC), b.sdiv(k, I64(2))))
     kc = b.select(b.icmp_signed(">", chunk, I64(0)), chunk, mkl)
+    per_row = panel_of is _panel_kn  # [K, N]: an NCHW image's product, whose rows are channels
+
+    def ends(i: ll.Value, j0: ll.Value, first: ll.Value, out: ll.Value) -> list[ll.Value]:
+        """The block kernel's (init, ldi, seed, per_row) for the block of rows from i: the first
+        block's sums from the seed (or 0) onto the initial values, later blocks' added to c."""
+        if seeded:
+            seed = b.select(b.icmp_unsigned("==", init, null), init, at(init, i if per_row else j0))
+            return [b.select(first, null, out), ldc, b.select(first, seed, null), I64(int(per_row))]
+        start = b.select(b.icmp_unsigned("==", init, null), init, at(init, b.add(b.mul(i, ldi), j0)))
+        return [b.select(first, start, out), b.select(first, ldi, ldc), null, I64(0)]
+
+    def blocks() -> Iterator[tuple[ll.Value, ll.Value, ll.Value, ll.Value, ll.Value]]:
+        """For each block of K and panel of 32 columns: (k0, depth, j0, ncols, whether the first block)."""
+        with counted_loop(b, I64(0), b.sdiv(b.add(k, b.sub(kc, I64(1))), kc)) as p:
+            k0 = b.mul(p, kc)
+            with counted_loop(b, I64(0), n, NR) as j0:
+                first = b.icmp_signed("==", p, I64(0))
+                yield k0, smaller(b, b.sub(k, k0), kc), j0, smaller(b, b.sub(n, j0), I64(NR)), first
+
+    if pieces is None:
+        with b.goto_entry_block():
+            partial = b.alloca(LANES16, size=I64(NR // 16))  # a row's sums between the pieces
+        by_rows = panel_of is _panel_kn
+        plain = functools.partial(_panel_plain, by_rows=by_rows) if panel_of in (_panel_kn, _panel_nk) else panel_of
+        for k0, depth, j0, ncols, first in blocks():
+            with counted_loop(b, lo, hi) as i:
+                out = at(c, b.add(b.mul(i, ldc), j0))
+                start, ld, seed, seeds_rows = ends(i, j0, first, out)
+                with counted_loop(b, I64(0), depth, KC) as q:
+                    s0, part = b.add(k0, q), smaller(b, b.sub(depth, q), I64(KC))
+                    firstq, lastq = b.icmp_signed("==", q, I64(0)), b.icmp_signed(">=", b.add(q, I64(KC)), depth)
+                    panel, ldp = plain(b, w, ldw, s0, j0, part, ncols, stack)
+                    chain = [b.select(firstq, seed, partial), b.select(firstq, seeds_rows, I64(0))]
+                    args = [at(x, b.add(b.mul(i, ldx), s0)), ldx, panel, ldp, part, b.select(lastq, out, partial)]
+                    b.call(kernels[1], [*args, ldc, ncols, b.select(lastq, start, null), ld, *chain])
+        b.ret_void()
+        return f
     long = b.icmp_signed(">", kc, I64(KC))  # a longer block's panel on the heap (aligned as vectors)
     pre = b.block
     with b.if_then(long):
-        heap = b.call(alloc, [I64(64), b.mul(b.add(kc, I64(16)), I64(NR * 4))])
+        heap = b.call(
+            declared(module, "aligned_alloc", PTR, [I64, I64]), [I64(64), b.mul(b.add(kc, I64(16)), I64(NR * 4))]
+        )
+        with b.if_then(b.icmp_unsigned("==", heap, null)):
+            b.call(pieces, f.args)
+            b.ret_void()
         allocated = b.block
     buf = b.phi(PTR)
     buf.add_incoming(stack, pre)
     buf.add_incoming(heap, allocated)
-    per_row = panel_of is _panel_kn  # [K, N]: an NCHW image's product, whose rows are channels
-    with counted_loop(b, I64(0), b.sdiv(b.add(k, b.sub(kc, I64(1))), kc)) as p:
-        k0 = b.mul(p, kc)
-        depth = smaller(b, b.sub(k, k0), kc)
-        first = b.icmp_signed("==", p, I64(0))
-        with counted_loop(b, I64(0), n, NR) as j0:
-            ncols = smaller(b, b.sub(n, j0), I64(NR))
-            panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
-            with counted_loop(b, lo, hi, MR) as i:
-                out = at(c, b.add(b.mul(i, ldc), j0))
-                args = [at(x, b.add(b.mul(i, ldx), k0)), ldx, panel, ldp, depth, out, ldc, ncols]
-                if seeded:  # the first block's sums start at the seed, later blocks' are added
-                    seed = b.select(b.icmp_unsigned("==", init, null), init, at(init, i if per_row else j0))
-                    args += [b.select(first, null, out), ldc, b.select(first, seed, null), I64(int(per_row))]
-                else:
-                    start = b.select(b.icmp_unsigned("==", init, null), init, at(init, b.add(b.mul(i, ldi), j0)))
-                    args += [b.select(first, start, out), b.select(first, ldi, ldc), null, I64(0)]
-                height = smaller(b, b.sub(hi, i), I64(MR))
-                for mr in range(1, MR + 1):
-                    with b.if_then(b.icmp_signed("==", height, I64(mr))):
-                        b.call(kernels[mr], args)
+    for k0, depth, j0, ncols, first in blocks():
+        panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
+        with counted_loop(b, lo, hi, MR) as i:
+            out = at(c, b.add(b.mul(i, ldc), j0))
+            args = [at(x, b.add(b.mul(i, ldx), k0)), ldx, panel, ldp, depth, out, ldc, ncols, *ends(i, j0, first, out)]
+            height = smaller(b, b.sub(hi, i), I64(MR))
+            for mr in range(1, MR + 1):
+                with b.if_then(b.icmp_signed("==", height, I64(mr))):
+                    b.call(kernels[mr], args)
     with b.if_then(long):
-        b.call(free, [buf])
+        b.call(declared(module, "free", VOID, [PTR]), [buf])
     b.ret_void()
+    return f
 
 
 # name: (how a panel is made, whether the sums start from a seed)

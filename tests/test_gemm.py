@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -596,3 +598,23 @@ def test_the_kernels_block_size_and_seed_give_the_blocked_order(k, chunk, seeded
     bias = torch.randn(m if seeded and not linear else n)
     got = gemmkernel.gemm(x, w, bias, linear, chunk=chunk, seeded=seeded)
     assert torch.equal(got, _chains(x, w, bias, chunk, seeded, linear))
+
+
+_NO_PANEL_MEMORY = """
+import torch
+from braze import gemmkernel
+torch.manual_seed(0)
+cases = [(700, l, s, b) for l in (0, 1) for s in (0, 1) for b in (0, 1) if b or not s]
+for k, linear, seeded, bias in cases + [(193, 1, 0, 1)]:
+    x, w = torch.randn(13, k), torch.randn(37, k) if linear else torch.randn(k, 37)
+    b = torch.randn(13 if seeded and not linear else 37) if bias else None
+    # one block of K either way; of 2^55, the panel's 2^62 bytes, which aligned_alloc refuses
+    one = gemmkernel.gemm(x, w, b, bool(linear), chunk=k, seeded=bool(seeded))
+    print(torch.equal(gemmkernel.gemm(x, w, b, bool(linear), chunk=1 << 55, seeded=bool(seeded)), one))
+"""
+
+
+def test_a_block_whose_panel_the_heap_refuses_is_computed_in_pieces_with_the_same_bits():
+    # (a subprocess: the kernel wrote the panel through a null pointer)
+    proc = subprocess.run([sys.executable, "-c", _NO_PANEL_MEMORY], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True"] * 7, (proc.stdout, proc.stderr[-2000:])
