@@ -516,6 +516,25 @@ def test_pointwise_convolutions_are_gemms_within_the_contract(scale, shape):
     assert report.ok, str(report)
 
 
+@torch.no_grad()
+def test_an_output_that_fast_mode_lays_out_otherwise_is_given_in_eagers_layout():
+    """A model ending in a 1 x 1 convolution (a channels-last view of a GEMM's product inside):
+    its output has eager's NCHW strides, so `.view(n, -1)` works as in eager (found by a fuzz:
+    it was channels-last). A view of the caller's tensor stays a view of it."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 8, 1)).eval()
+
+    def model(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return conv(x), x.transpose(1, 2)
+
+    x = torch.randn(3, 3, 33, 17)
+    out, view = braze.compile(model, mode="fast")(x)
+    ref = conv(x)
+    assert out.stride() == ref.stride() and measure(out, ref, _reference(conv, x)).ok
+    assert out.view(3, -1).shape == (3, 8 * 33 * 17)
+    assert view.data_ptr() == x.data_ptr() and view.stride() == x.transpose(1, 2).stride()
+
+
 @pytest.mark.parametrize(
     "shape, aten", [((1, 5, 1, 1), 0), ((1, 7, 3, 5), 0), ((2, 3, 4, 4), 1), ((4, 33, 7, 7), 0), ((0, 16, 7, 7), 1)]
 )

@@ -421,8 +421,10 @@ class Lowerer:
         """Fast mode keeps activations channels-last between convolutions where eager's are NCHW:
         an output whose layout is not eager's is copied into eager's (fused with the elementwise
         ops before it), so that what the caller does with it (`.view(n, -1)`) works as in eager.
-        Eager's layouts come from running the graph once, only when an output is not contiguous."""
-        kept = (Op.INPUT, Op.PARAM, Op.VIEW)  # the caller's tensors, or views whose layout is meant
+        Eager's layouts come from running the graph once, only when an output is not contiguous.
+        (Views too: a 1 x 1 convolution's result is a channels-last view of its GEMM's product.
+        A view of the caller's tensor has eager's layout, and stays a view.)"""
+        kept = (Op.INPUT, Op.PARAM)  # the caller's tensors
         own = {
             v.name
             for v in leaves(result)
