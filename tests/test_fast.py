@@ -288,6 +288,25 @@ def test_few_rows_by_a_large_weight_are_the_kernels_on_its_packed_panels(rows, n
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_classifier_head_sums_in_blocks_and_adds_its_bias_last(seed):
+    """One row by a kept weight (RegNetX's head, 368 -> 1000): K in blocks of 64 whose sums are
+    added in turn, the bias after them, where two blocks of 184 onto the bias gave 1.6-2.4x
+    eager's largest error here (RegNetX's outputs up to 3.8x: the contract allows 4x)."""
+    torch.manual_seed(seed)
+    head = nn.Linear(368, 1000).eval()
+    x = torch.relu(torch.randn(1, 368))
+    compiled = braze.compile(head, mode="fast")
+    report = measure(compiled(x), head(x), _reference(head, x))
+    assert report.max_ratio < 1.4 and report.rms_ratio < 1, str(report)
+    (prog,) = compiled.programs()
+    (gemm,) = (n for n in prog.graph.nodes if n.op is Op.GEMM)
+    # the sums alone (beta 0, no bias operand), the bias added by the epilogue fused into it
+    assert (gemm.attrs["beta"], gemm.attrs["order"], gemm.inputs[2]) == (0.0, (False, 64), None), gemm
+    assert len(gemm.inputs) == 4, gemm
+
+
+@torch.no_grad()
 def test_a_weight_that_keeps_changing_is_read_in_place_after_a_few_repacks():
     # (an optimizer's steps between calls): each change is one slow call and a pack, until the
     # program is compiled again without packing that weight

@@ -122,6 +122,10 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: 
     beta = float(beta) if bias is not None else 0.0
     kept = _kept_pack(lw, weight, args)
     own = own_kernel(args, beta, packed="pack" in kept)
+    if own == 1 and "pack" in kept:  # fast mode, a few rows (FEW_ROWS_CHUNK): the bias added after
+        ends = {"beta": 0.0, "own_kernel": own, "one_thread": False, "order": (False, FEW_ROWS_CHUNK)}
+        product = lw.emit(Op.GEMM, (*inputs[:2], None), out, blas=args, **ends, **kept, **attrs)
+        return product if inputs[2] is None else lw.elementwise(Op.ADD, (product, bias), out)
     one = not own and _one_thread(args, beta)
     return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one, **kept, **attrs)
 
@@ -194,6 +198,17 @@ PACKED_OWN_K = 768
 # weight at both cores' speed (MobileNet-V3-small's classifier, 576 -> 1024 -> 1000 for one image:
 # MKL's sgemv was 23% of its fast calls)
 FEW_ROWS_WEIGHT = 1 << 16
+# ... whose K it sums in blocks of this many, the blocks' sums added in turn, the bias after them:
+# a classifier head's error was most of fast mode's on the CNNs' outputs (timm's RegNetX-002,
+# 368 -> 1000 for one image, K in MKL's two blocks of 184 onto the bias: 1.15-3.80x eager's
+# largest error over 40 seeds of its weights). In blocks of 64 with the bias after (/tmp
+# scripts, 2026-12-06): RegNetX 0.63-2.07x (median 1.2x, 40 seeds), and 4 seeds each:
+# torchvision's RegNet 0.80-1.60x (from 1.9-3.0x), RepViT 0.93-1.34x (from 1.6-2.7x), GhostNet
+# 0.66-0.97x (from 1.2-1.4x), MobileNet-V2 1.0-1.25x (from 0.9-1.1x). In blocks
+# of 64 onto the bias GhostNet went to 1.6-2.3x, of 16 to 3.5-5.1x: its bias outweighs the product,
+# and every block's sum added onto it rounds at its scale. Speed unchanged (A/B in one process,
+# 21 rounds: MobileNet-V3-small 1.016x, ResNet-18 1.019x, ConvNeXt-atto 1.038x, vit-tiny 1.029x).
+FEW_ROWS_CHUNK = 64
 
 PROBE_MACS = 1 << 26  # the most multiply-adds of a probe at a GEMM's own rows (~10 ms)
 
