@@ -204,10 +204,11 @@ FEW_ROWS_WEIGHT = 1 << 16
 # largest error over 40 seeds of its weights). In blocks of 64 with the bias after (/tmp
 # scripts, 2026-12-06): RegNetX 0.63-2.07x (median 1.2x, 40 seeds), and 4 seeds each:
 # torchvision's RegNet 0.80-1.60x (from 1.9-3.0x), RepViT 0.93-1.34x (from 1.6-2.7x), GhostNet
-# 0.66-0.97x (from 1.2-1.4x), MobileNet-V2 1.0-1.25x (from 0.9-1.1x). In blocks
-# of 64 onto the bias GhostNet went to 1.6-2.3x, of 16 to 3.5-5.1x: its bias outweighs the product,
-# and every block's sum added onto it rounds at its scale. Speed unchanged (A/B in one process,
-# 21 rounds: MobileNet-V3-small 1.016x, ResNet-18 1.019x, ConvNeXt-atto 1.038x, vit-tiny 1.029x).
+# 0.66-0.97x (from 1.2-1.4x), MobileNet-V2 1.0-1.25x (from 0.9-1.1x). In blocks of 64 onto
+# the bias GhostNet went to 1.6-2.3x, of 16 to 3.5-5.1x: its bias outweighs the product, and
+# every block's sum added onto it rounds at the bias's scale. Speed unchanged (A/B in one
+# process, 21 rounds: MobileNet-V3-small 1.016x, ResNet-18 1.019x, ConvNeXt-atto 1.038x,
+# vit-tiny 1.029x).
 FEW_ROWS_CHUNK = 64
 
 PROBE_MACS = 1 << 26  # the most multiply-adds of a probe at a GEMM's own rows (~10 ms)
