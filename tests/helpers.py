@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -148,3 +149,15 @@ def needs_mkl_order() -> None:
 
     if not mkl_order():
         pytest.skip("MKL's sgemm_ does not take the path braze's GEMM kernel reproduces on this CPU")
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """torch's thread count for a block, put back after (where a fixture cannot: each of a
+    hypothesis test's examples, each OpInfo case)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

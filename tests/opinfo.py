@@ -16,7 +16,6 @@ decide, not braze's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -31,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 import braze
 
-from .helpers import copy, differs
+from .helpers import copy, differs, num_threads
 from .opinfo_expected import expected
 
 PATHS = ("fx", "dynamo")
@@ -123,23 +122,13 @@ def _call(fn: Any, args: list[Any]) -> tuple[Any, BaseException | None]:
         return None, e
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run(case: Case) -> Outcome:
     """Run one case: eager, then braze on copies of the same inputs."""
     op = ops()[case.op]
     fn, tensors = function(op, samples(case.op, SAMPLES)[case.sample])
     tensors = [relaid(t, case.layout) for t in tensors]
     eager_in, braze_in = [copy(t) for t in tensors], [copy(t) for t in tensors]
-    with _threads(case.threads):
+    with num_threads(case.threads):
         want, want_error = _call(fn, eager_in)
         if case.path == "dynamo":
             torch._dynamo.reset()

@@ -3,9 +3,6 @@ norms, activations, residuals, pools): eager's bits in exact mode, the contract 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,7 +11,7 @@ from hypothesis import strategies as st
 
 import braze
 
-from .helpers import check_model
+from .helpers import check_model, num_threads
 
 ACTS = {
     "relu": F.relu,
@@ -95,17 +92,6 @@ def cnns(draw):
     return model, x
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch's thread count for one example (hypothesis runs a test's examples under one fixture)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 BOUNDED = {"sigmoid", "relu6"}
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -114,7 +100,7 @@ SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[Healt
 @given(cnns(), st.sampled_from([1, 2]))
 def test_random_cnns_match_eager(case, n):
     model, x = case
-    with _threads(n):
+    with num_threads(n):
         compiled = check_model(model, (x,))
         check_model(model, (torch.randn(x.shape[0] + 1, *x.shape[1:]),), compiled=compiled)  # another batch
 
@@ -128,6 +114,6 @@ def test_random_cnns_keep_the_contract_in_fast_mode(case, n):
     # sigmoid, fast mode's median 1.4x eager's but up to 12.6x over 30 seeds (without it: at most
     # 2.4x); relu6 after a 1 x 1 one 26.6x, its RMS 2.0x. Such draws measure nothing.
     assume(x.abs().max() < 100 or not {block.act for block in model.blocks} & BOUNDED)
-    with _threads(n):
+    with num_threads(n):
         report = braze.check_accuracy(model, x, mode="fast")
     assert report.ok, f"{report}\n{model}"
