@@ -36,8 +36,13 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 33), nn.ReLU(), nn.Linear(33, 7)).eval()
 
 
+def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The float64 reference of the accuracy contract: a double copy of the model on x in double."""
+    return copy.deepcopy(model).double()(x.double())
+
+
 def _within(compiled, model: nn.Module, x: torch.Tensor) -> bool:
-    return measure(compiled(x), model(x), copy.deepcopy(model).double()(x.double())).ok
+    return measure(compiled(x), model(x), _reference(model, x)).ok
 
 
 def _linears(compiled) -> int:
@@ -475,7 +480,7 @@ def test_exact_mode_leaves_convolutions_to_aten_and_torchdynamo_graphs_fold():
     assert all("exact mode" in why for p in exact.programs() for label, why in p.externs if "Conv" in label)
     dynamo = torch.compile(model, backend="braze", options={"mode": "fast"})
     with torch.no_grad():
-        assert measure(dynamo(x), model(x), copy.deepcopy(model).double()(x.double())).ok
+        assert measure(dynamo(x), model(x), _reference(model, x)).ok
 
 
 class _InvertedResidual(nn.Module):
@@ -615,7 +620,7 @@ def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, st
     assert out.shape == ref.shape and out.stride() == ref.stride()
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isposinf(), ref.isposinf())
     with torch.no_grad():
-        assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
+        assert measure(out, ref, _reference(conv, x)).ok
 
 
 def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monkeypatch):
@@ -629,7 +634,7 @@ def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monk
         compiled(x)
         model.weight.mul_(-2)
         out, ref = compiled(x), model(x)
-        assert measure(out, ref, copy.deepcopy(model).double()(x.double())).ok
+        assert measure(out, ref, _reference(model, x)).ok
     assert not compiled.programs()[0].externs
     monkeypatch.setattr(lowering_conv, "DEPTHWISE_FLOPS", 0)
     compiled = braze.compile(model, mode="fast")
@@ -668,7 +673,7 @@ def test_convolutions_of_few_channels_are_native_within_the_contract(
     compiled = braze.compile(conv, mode="fast")
     with torch.no_grad():
         out, ref = compiled(x), conv(x)
-        assert measure(out, ref, copy.deepcopy(conv).double()(x.double())).ok
+        assert measure(out, ref, _reference(conv, x)).ok
     (prog,) = compiled.programs()
     assert not prog.externs and [n.op for n in prog.graph.nodes].count(Op.CONV) == 1
     assert out.shape == ref.shape and out.stride() == ref.stride()  # channels-last inside, eager's out
@@ -682,10 +687,6 @@ def test_convolutions_of_more_channels_or_narrow_rows_stay_onednn(cin, width):
     with torch.no_grad():
         compiled(torch.randn(1, cin, 9, width))
     assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]
-
-
-def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return copy.deepcopy(model).double()(x.double())
 
 
 @torch.no_grad()
@@ -945,7 +946,7 @@ def test_small_convolutions_of_channels_last_pixels_are_atens(batch, channels_la
     compiled = braze.compile(model, mode="fast")
     with torch.no_grad():
         out, ref = compiled(x), model(x)
-        assert measure(out, ref, copy.deepcopy(model).double()(x.double())).ok
+        assert measure(out, ref, _reference(model, x)).ok
     assert out.stride() == ref.stride() and torch.equal(out.isnan(), ref.isnan())
     (prog,) = compiled.programs()
     assert [label for label, _ in prog.externs] == expected
@@ -1016,7 +1017,7 @@ def test_outputs_are_laid_out_as_eagers(dynamo, channels_last):
         assert [g.stride() for g in got] == [w.stride() for w in want]
     if not channels_last:
         assert got[1].view(2, -1).shape == (2, 32 * 40 * 40)
-    ref = copy.deepcopy(model).double()(x.double())
+    ref = _reference(model, x)
     assert all(measure(g, w, r).ok for g, w, r in zip(got, want, ref))
 
 
