@@ -51,6 +51,12 @@ class Op(enum.Enum):
     EQ = "eq"
     NE = "ne"
     GEMM = "gemm"  # out = beta * bias + a @ b through BLAS sgemm_, as ATen's addmm/mm
+    # Fast mode's convolutions as GEMMs (lowering/conv.py): row (image, oh, ow) of the [N * OH *
+    # OW, KH * KW * C] result holds, tap after tap (kh, kw), the C channels of inputs[0]'s
+    # channels-last pixel under it (zeros off the image); attrs: kernel, stride, padding,
+    # dilation (pairs). Such a GEMM's attrs `taps`: its inputs[1] is the convolution's weight
+    # [O, C, KH, KW] itself, read only from its panels (fast.GemmPack's, in this K order).
+    IM2COL = "im2col"
     BMM = "bmm"  # out[i] = a[i] @ b[i] through MKL's cblas_sgemm_batch, as ATen's bmm
     CAT = "cat"  # the inputs copied one after another along attrs['dim'], as ATen's cat
     VML = "vml"  # MKL's vector math function attrs['fn'] (vmsExp...) on the input, as ATen calls it
@@ -108,6 +114,7 @@ KERNELS = (
             Op.SUM,
             Op.MAX_POOL,
             Op.CONV,
+            Op.IM2COL,
             Op.EMBEDDING,
             Op.ATTENTION,
         }

@@ -731,6 +731,94 @@ def test_pieces_of_grouped_convolutions_with_batch_norm_and_activations(groups, 
     assert measure(compiled(x), model(x), _reference(model, x)).ok
 
 
+class _Downsample(nn.Module):
+    """A stem convolution (its output channels-last pixels in fast mode), then `conv` with a
+    BatchNorm and a ReLU, plus (`skip`) a 1 x 1 convolution of the stem's output with conv's
+    stride: ResNet's downsampling residual."""
+
+    def __init__(self, c: int, conv: nn.Conv2d, skip: bool) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.conv, self.bn = conv, nn.BatchNorm2d(conv.out_channels)
+        self.skip = nn.Conv2d(c, conv.out_channels, 1, conv.stride, bias=False) if skip else None
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        y = self.bn(self.conv(h))
+        return torch.relu(y if self.skip is None else y + self.skip(h))
+
+
+_AS_GEMMS = [  # (Conv2d's arguments, a skip): oneDNN's in pieces, or 1 x 1 with a stride
+    ((64, 96, 3, 2, 1, 1, 1, False), True),
+    ((48, 17, 5, 1, 4, 2), True),
+    ((40, 80, 2, 2), False),
+    ((33, 5, 7, 1, 3), True),
+    ((64, 1, 3, 1, 1), True),  # (one output channel: BLAS's view of the product could be another)
+    ((16, 48, 1, 2, 0, 1, 1, False), True),
+]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("case", range(len(_AS_GEMMS)))
+def test_convolutions_oneDNN_would_run_in_pieces_are_gemms_of_their_patches(case, scale, n, threads):
+    """Of channels-last pixels, with more than 32 input channels and a kernel larger than 1 x 1
+    (or 1 x 1 with a stride): the patches' rows (Op.IM2COL) times the weight packed once, K in
+    blocks of 32 channels' taps, the BatchNorm, bias, residual and ReLU its epilogue; no
+    oneDNN call; the RMS error near eager's (oneDNN's one call: 2.4-4.9x at 128-512 channels)."""
+    torch.manual_seed(case)
+    args, skip = _AS_GEMMS[case]
+    conv = nn.Conv2d(*args)
+    model = _Downsample(conv.in_channels, conv, skip).eval()
+    x = torch.randn(n, 3, 11, 34) * scale  # (rows of 32 pixels and more: the stem is directconv's)
+    threads(2)
+    compiled = braze.compile(model, mode="fast")
+    report = measure(compiled(x), model(x), _reference(model, x))
+    assert report.ok and report.rms_ratio < 2, str(report)
+    (prog,) = compiled.programs()
+    gemms = [nd for nd in prog.graph.nodes if nd.op is Op.GEMM and nd.attrs.get("taps")]
+    strided = skip and conv.stride != (1, 1)  # (a 1 x 1 of stride 1 is a GEMM of the pixel rows as they are)
+    assert [nd.op for nd in prog.graph.nodes].count(Op.IM2COL) == len(gemms) == 1 + strided
+    assert all(nd.attrs["own_kernel"] == 1 and nd.attrs["pack"].taps for nd in gemms)
+    assert not prog.externs, prog.externs
+    threads(1)
+    assert _within(compiled, model, torch.randn(n + 1, 3, 12, 33) * scale)
+
+
+@torch.no_grad()
+def test_convolutions_as_gemms_repack_changed_weights_and_share_a_generic_program():
+    torch.manual_seed(0)
+    model = _Downsample(64, nn.Conv2d(64, 96, 3, 2, 1), True).eval()
+    compiled = braze.compile(model, mode="fast")
+    for n in (1, 2, 3, 4, 5):
+        assert _within(compiled, model, torch.randn(n, 3, 16, 16))
+    assert len(compiled.compilations) == 2  # the first size's, then one for every batch
+    model.conv.weight.mul_(-2.0)  # in place: the entry sees its version move
+    model.skip.weight = nn.Parameter(torch.randn(96, 64, 1, 1))  # replaced: another tensor
+    x = torch.randn(3, 3, 16, 16)
+    assert _within(compiled, model, x)
+    x[0, 1, 5, 5], x[1, 2, 0, 0], x[2, 0, 7, 2] = float("nan"), float("inf"), -float("inf")
+    assert _within(compiled, model, x)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("size, kind", [(7, Op.IM2COL), (14, "Winograd")])
+def test_few_pixels_of_a_3x3_convolution_are_a_gemm_not_winograds(size, kind):
+    """Winograd's transformed weight is 16 / 9 of the weight: for few tiles, reading it costs
+    more than the products it saves (conv.WINOGRAD_PIXELS)."""
+    model = nn.Sequential(nn.Conv2d(3, 64, 1), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(1, 3, size, size)
+    compiled = braze.compile(model, mode="fast")
+    assert _within(compiled, model, x)
+    (prog,) = compiled.programs()
+    found = [nd.op for nd in prog.graph.nodes] if kind is Op.IM2COL else [label for label, _ in prog.externs]
+    assert kind in found or any(kind in str(f) for f in found), found
+
+
 class _ConvThenView(nn.Module):
     def __init__(self) -> None:
         super().__init__()

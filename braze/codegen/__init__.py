@@ -557,6 +557,7 @@ _EMITTERS = {
     Op.ACTIVATION: "_activation",
     Op.MAX_POOL: "_max_pool",
     Op.CONV: "_conv",
+    Op.IM2COL: "_im2col",
     Op.EMBEDDING: "_embedding",
     Op.ATTENTION: "_attention",
 }

@@ -10,7 +10,21 @@ import llvmlite.ir as ll
 
 from ..dims import Dim
 from ..ir import Node, Op, TensorMeta
-from .loops import F32, I8, I32, I64, PTR, Access, counted_loop, pieces, smaller
+from .loops import (
+    F32,
+    I8,
+    I32,
+    I64,
+    LANES16,
+    PTR,
+    Access,
+    counted_loop,
+    lanes_below,
+    masked_load,
+    masked_store,
+    pieces,
+    smaller,
+)
 
 
 class Epilogue(NamedTuple):
@@ -38,6 +52,7 @@ class GemmEmitter:
         if gemm_meta.numel == 0:
             return
         blas, own, order = k.attrs["blas"], k.attrs.get("own_kernel", 0), k.attrs.get("order")
+        assert not k.attrs.get("taps") or (own and k.attrs.get("pack")), k.attrs  # (a weight BLAS cannot read)
         # the kernel reads a bias row itself, where it runs at every size the program admits (a
         # seed, in a convolution's order: an NCHW image's a value per row)
         row = own and isinstance(blas["n"], int) and bias is not None and _bias_row(self.slot_of(bias).meta, gemm_meta)
@@ -55,7 +70,9 @@ class GemmEmitter:
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
-                    self._own_gemm(b, table, blas, operands, None, k.attrs["beta"], epilogue, k.attrs.get("pack"))
+                    self._own_gemm(
+                        b, table, blas, operands, None, k.attrs["beta"], epilogue, k.attrs.get("pack"), order
+                    )
                 with mkl:
                     sgemm()
                     self._epilogue_pass(b, table, epilogue)
@@ -66,6 +83,39 @@ class GemmEmitter:
                 zero = Node(k.name, Op.MUL, (0.0, 0.0), gemm_meta)
                 self._loop_kernel(b, table, gemm_meta, c, (zero,), {})
             self._epilogue_pass(b, table, epilogue)
+
+    def _im2col(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """A convolution's patches (Op.IM2COL), their rows split between threads: each tap's C
+        channels copied 16 at a time from the pixel under it, or zeros where it lies off the image
+        (unsigned comparisons: a row or column before the first is a large number)."""
+        x = self.slot_of(k.inputs[0])
+        (_, c, h, w), rows = x.meta.shape, k.meta.shape[0]
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (k.attrs[a] for a in ("kernel", "stride", "padding", "dilation"))
+        # (lowering/conv.py's: the channels one run of memory, the rows dense)
+        assert isinstance(c, int) and x.meta.stride[1] == 1 and k.meta.stride == (kh * kw * c, 1), k
+        with self._ranged(b, table, "im2col", k.meta.numel, rows) as (kb, tbl, lo, hi):
+            src, dst = self.pointer(kb, tbl, x), self.pointer(kb, tbl, self.slot_of(k.name))
+            height, width = self.dim(kb, tbl, h), self.dim(kb, tbl, w)
+            image_step, row_step, col_step = (self.dim(kb, tbl, x.meta.stride[d]) for d in (0, 2, 3))
+            out_w = kb.add(kb.sdiv(kb.add(width, I64(2 * pw - dw * (kw - 1) - 1)), I64(sw)), I64(1))
+            out_h = kb.add(kb.sdiv(kb.add(height, I64(2 * ph - dh * (kh - 1) - 1)), I64(sh)), I64(1))
+            plane = kb.mul(out_h, out_w)
+            with counted_loop(kb, lo, hi) as r:
+                image, at = kb.sdiv(r, plane), kb.srem(r, plane)
+                y0 = kb.sub(kb.mul(kb.sdiv(at, out_w), I64(sh)), I64(ph))
+                x0 = kb.sub(kb.mul(kb.srem(at, out_w), I64(sw)), I64(pw))
+                first = kb.gep(src, [kb.mul(image, image_step)], source_etype=F32)
+                with counted_loop(kb, I64(0), I64(kh * kw)) as t:
+                    iy = kb.add(y0, kb.mul(kb.sdiv(t, I64(kw)), I64(dh)))
+                    ix = kb.add(x0, kb.mul(kb.srem(t, I64(kw)), I64(dw)))
+                    to = kb.gep(dst, [kb.mul(kb.add(kb.mul(r, I64(kh * kw)), t), I64(c))], source_etype=F32)
+                    inside = kb.and_(kb.icmp_unsigned("<", iy, height), kb.icmp_unsigned("<", ix, width))
+                    with kb.if_else(inside) as (on, off):
+                        with on:
+                            pixel = kb.add(kb.mul(iy, row_step), kb.mul(ix, col_step))
+                            _copy_floats(kb, kb.gep(first, [pixel], source_etype=F32), to, c)
+                        with off:
+                            _copy_floats(kb, None, to, c)
 
     def _epilogue(self, k: Node) -> Epilogue | None:
         """A GEMM's epilogue as a loop (none over no elements)."""
@@ -290,3 +340,16 @@ def _ref(b: ll.IRBuilder, ty: ll.Type, v: ll.Constant) -> ll.Value:
         slot = b.alloca(ty)
     b.store(v, slot)
     return slot
+
+
+def _copy_floats(b: ll.IRBuilder, src: ll.Value | None, dst: ll.Value, n: int) -> None:
+    """n floats from src to dst (zeros where src is None), 16 at a time, the rest masked."""
+    zero = ll.Constant(LANES16, [0.0] * 16)
+    if n >= 16:
+        with counted_loop(b, I64(0), I64(n - n % 16), 16) as i:
+            v = zero if src is None else b.load(b.gep(src, [i], source_etype=F32), typ=LANES16, align=4)
+            b.store(v, b.gep(dst, [i], source_etype=F32), align=4)
+    if n % 16:
+        mask, at = lanes_below(b, I64(n % 16)), I64(n - n % 16)
+        v = zero if src is None else masked_load(b, b.gep(src, [at], source_etype=F32), mask)
+        masked_store(b, v, b.gep(dst, [at], source_etype=F32), mask)

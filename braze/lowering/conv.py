@@ -76,7 +76,11 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
             real = F.conv2d(*lw.live((x, w, b)), stride=stride, padding=padding)
             lw.real[sym.name] = real.contiguous(memory_format=torch.channels_last)
         return sym
-    if _winograd(x, w, out, stride, dilation, groups):
+    winograd = _winograd(x, w, out, stride, dilation, groups)
+    many = isinstance(out, torch.Tensor) and out.shape[0] * out.shape[2] * out.shape[3] >= WINOGRAD_PIXELS
+    if not (winograd and many) and (product := _as_gemm(lw, x, w, b, out, (stride, padding, dilation, groups))):
+        return product
+    if winograd:
         packed: fast.PackedConv = fast.PackedWinograd(padding, stride, dilation, groups, list(x.meta.shape))
         why = "fast mode: Winograd's F(2 x 2, 3 x 3) (winograd.py), 2.25x fewer multiplications"
         label = "conv2d (Winograd, braze's kernel)"
@@ -98,6 +102,34 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     sym = extern_of(lw, packed, (x, w, b), label, why, real)
     lw.deferred[sym.name] = lambda: packed(*lw.live((x, w, b)))
     return sym
+
+
+def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sym | None:
+    """Fast mode: a convolution that oneDNN's packed call would compute in pieces (_pieces), or a
+    1 x 1 one with a stride or padding (ResNet's downsampling), as one GEMM of its patches
+    (Op.IM2COL) by its weight packed once (gemm.conv_gemm), K summed in blocks of
+    CHANNELS_PER_PIECE channels' taps: the pieces' accuracy without their grouped call, and
+    the kernel's speed. What follows it (bias, BatchNorm, ReLU, a residual) is the GEMM's
+    epilogue. None where it is not such a convolution of channels-last pixels."""
+    stride, padding, dilation, groups = window
+    o, c, kh, kw = w.meta.shape
+    if groups != 1 or not (isinstance(out, torch.Tensor) and out.numel()):
+        return None
+    if x.meta.stride(1) != 1 or not x.meta.permute(0, 2, 3, 1).is_contiguous():  # (one channel: any stride)
+        return None
+    if _pieces(w) == 1 and not ((kh, kw) == (1, 1) and (stride, padding) != ([1, 1], [0, 0])):
+        return None
+    if not config.own_gemm or gemm.kept_weight(lw, w) is None:
+        return None
+    n, _, oh, ow = out.shape
+    window_attrs = {"kernel": (kh, kw), "stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation)}
+    patches = lw.emit(Op.IM2COL, (x.name,), torch.empty(n * oh * ow, kh * kw * c, device="meta"), **window_attrs)
+    unfolded = F.unfold(lw.example(x), (kh, kw), dilation, padding, stride)  # [N, C * KH * KW, OH * OW]
+    lw.real[patches.name] = unfolded.view(n, c, kh * kw, -1).permute(0, 3, 2, 1).reshape(n * oh * ow, -1)
+    product = gemm.conv_gemm(lw, patches, w, 0 if (kh, kw) == (1, 1) else kh * kw * CHANNELS_PER_PIECE)
+    layout = torch.empty(out.shape, device="meta", memory_format=torch.channels_last)
+    y = lw.view(product, lambda t: t.as_strided(out.shape, layout.stride(), t.storage_offset()))
+    return y if b is None else lw.elementwise(Op.ADD, (y, lw.view(b, lambda t: t.view(-1, 1, 1))), layout)
 
 
 def _small(x: Sym, w: Sym, out: Any, groups: int) -> bool:
@@ -126,7 +158,9 @@ def _small(x: Sym, w: Sym, out: Any, groups: int) -> bool:
 # many channels a group, the call computes in pieces of at most this many (fast.PackedConv):
 # 1.3-1.4x eager's RMS error and 1.1-1.8x its maximum, at 0.75-1.04x the one call's speed (64
 # a piece: 1.9x and up to 3.3x). (Of a model eager runs channels-last the one call gives eager's
-# own sums; the lowering's examples, in fast mode's layouts, do not say which it is.)
+# own sums; the lowering's examples, in fast mode's layouts, do not say which it is.) _as_gemm's
+# GEMMs sum K in blocks of this many channels' taps too: ResNet-18 (one image) ran 0.97x as fast
+# in blocks of 16 channels (eager's), the same error as in pieces of 16 (/tmp script, 2026-12-06).
 CHANNELS_PER_PIECE = 32
 
 
@@ -149,6 +183,14 @@ def _aten_conv(lw: Lowerer, given: tuple) -> Sym:
 # winograd.py's kernel from this many input and output channels: below, its transforms cost
 # more than the multiplications it saves
 WINOGRAD_CHANNELS = 16
+
+
+# Below this many output pixels (all images') a convolution Winograd's kernel could take is a GEMM
+# of its patches where _as_gemm takes it: for few tiles its transformed weight (16 / 9 of the
+# weight), read from memory, costs more than the products it saves. (ResNet-18, one image, fast
+# mode with its 512-channel 3 x 3s of 7 x 7 pixels as GEMMs: 1.028x as fast; with its 256-channel
+# ones of 14 x 14 too, 0.975x; /tmp script, one process, interleaved, 15 rounds, 2026-12-06.)
+WINOGRAD_PIXELS = 128
 
 
 def _winograd(x: Sym, w: Sym, out: Any, stride: list[int], dilation: list[int], groups: int) -> bool:

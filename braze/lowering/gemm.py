@@ -138,15 +138,42 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
     counter; none otherwise (the kernel packs it on every call, as in exact mode)."""
     if not lw.fast or weight is None or not blas["ta"] or blas["lda"] != blas["k"]:
         return {}
-    source = lw.owner(weight.name)
-    real = lw.params.get(source, lw.given.get(source))
+    real = kept_weight(lw, weight)  # (packed again and again before: read in place)
+    if (
+        real is None or real.shape[0] != blas["m"] or real.numel() != blas["m"] * blas["k"]
+    ):  # (a 1 x 1 convolution's too)
+        return {}
+    return {"pack": fast.GemmPack(real), "pack_source": lw.owner(weight.name)}
+
+
+def kept_weight(lw: Lowerer, w: Sym) -> torch.nn.Parameter | None:
+    """Fast mode: the model's parameter behind w where its panels can be kept packed between calls
+    (contiguous, with a version counter, not packed again and again before), else None."""
+    real = lw.params.get(lw.owner(w.name), lw.given.get(lw.owner(w.name)))
     if not isinstance(real, torch.nn.Parameter) or not real.is_contiguous() or jit.tensor_version(real) is None:
-        return {}
-    if not fast.steady(real):  # packed again and again before: read in place
-        return {}
-    if real.shape[0] != blas["m"] or real.numel() != blas["m"] * blas["k"]:  # (a 1 x 1 convolution's too)
-        return {}
-    return {"pack": fast.GemmPack(real), "pack_source": source}
+        return None
+    return real if fast.steady(real) else None
+
+
+def conv_gemm(lw: Lowerer, patches: Sym, w: Sym, chunk: int) -> Sym:
+    """Fast mode: a convolution's patches [M, K] (Op.IM2COL's, K tap by tap) @ its weight w [O, C,
+    KH, KW] (one kept_weight gives), on the weight's panels packed once in that order
+    (fast.GemmPack, checked by the entry on every call): braze's kernel at every row count, K
+    in blocks of `chunk`."""
+    real = kept_weight(lw, w)
+    assert real is not None and config.own_gemm
+    (m, k), o = patches.meta.shape, w.meta.shape[0]
+    # BLAS's view of it, the kernel's form (own_kernel), also where one output channel or one
+    # pixel would let blas_args take the other: C^T [O, M] = W [O, K] (transposed) @ patches^T
+    args = _blas_call(True, False, o, m, k, k, k, o)
+    assert args is not None
+    args["swap"] = True
+    pack, source = fast.GemmPack(real, taps=True), lw.owner(w.name)
+    attrs = {"blas": args, "own_kernel": 1, "one_thread": False, "order": (False, chunk), "taps": True}
+    meta = torch.empty(m, o, device="meta")
+    product = lw.emit(Op.GEMM, (patches.name, w.name, None), meta, beta=0.0, pack=pack, pack_source=source, **attrs)
+    lw.real[product.name] = lw.example(patches) @ real.detach().permute(0, 2, 3, 1).reshape(o, k).t()
+    return product
 
 
 def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:

@@ -152,7 +152,7 @@ def _fit(
     fitted_ints = iter(fitted)
     generic = _walk(runs[grid[0]][2], lambda _: next(fitted_ints), False)
     for node in generic.graph.nodes:
-        if node.op is Op.GEMM:
+        if node.op is Op.GEMM and not node.attrs.get("taps"):  # (a convolution's: the kernel at any size)
             node.attrs["one_thread_sizes"] = one_thread_sizes(node.attrs["blas"], node.attrs["beta"], tuple(lo))
             node.attrs["own_kernel"] = own_kernel(node.attrs["blas"], node.attrs["beta"], "pack" in node.attrs)
     return generic, Family(tuple(tuple(p) for p in places), tuple(lo), _largest(generic.graph, lo))
