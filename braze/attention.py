@@ -154,7 +154,8 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
         limit = b.select(causal, smaller(b, s, b.add(i, height)), s)
 
         def block(args: list[ll.Value]) -> None:
-            args = [*args, ll.Constant(PTR, None), I64(0), ll.Constant(PTR, None), I64(0)]  # the sums alone, from 0
+            null = ll.Constant(PTR, None)
+            args = [*args, null, I64(0), null, I64(0), null]  # the sums alone, from 0, nothing prefetched
             for mr in range(1, MR + 1):
                 with b.if_then(b.icmp_signed("==", height, I64(mr))):
                     b.call(kernels[mr], args)

@@ -111,19 +111,21 @@ def carried(
     return final
 
 
-BLOCK_ARGS = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64]
+BLOCK_ARGS = [PTR, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, PTR, I64, PTR]
 BLOCKS = "braze_gemm_block"  # the block kernels the GEMM kernels share: braze_gemm_block_{mr}
 
 
 def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False) -> ll.Function:
-    """(x, lda, panel, ldp, K, out, ldo, ncols, init, ldi, seed, per_row): out[r, :ncols] =
+    """(x, lda, panel, ldp, K, out, ldo, ncols, init, ldi, seed, per_row, ahead): out[r, :ncols] =
     init[r ldi : +ncols] + sum_k x[r, k] panel[k ldp : +32] for r < mr, the sum one FMA chain in
     the order of k from the seed: seed[r] (per_row), seed[:ncols] (each row), 0 (seed null);
-    init null: the sum alone. ncols <= 32; the panel's 32 columns are read whole."""
+    init null: the sum alone. ncols <= 32; the panel's 32 columns are read whole. Where `ahead`
+    is not null, each step also prefetches into L2 the two lines at ahead + k ldp (the next
+    panel a driver reads: its weight streams from memory while this one is computed)."""
     f = ll.Function(module, ll.FunctionType(VOID, BLOCK_ARGS), f"{prefix}_{mr}")
     f.linkage = "external" if exported else "internal"
     f.attributes.add("noinline")  # six inlined copies took the optimiser 4x as long
-    x, lda, panel, ldp, k, out, ldo, ncols, init, ldi, seed, per_row = f.args
+    x, lda, panel, ldp, k, out, ldo, ncols, init, ldi, seed, per_row, ahead = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     at = lambda p, i: b.gep(p, [i], source_etype=F32)  # noqa: E731
     rows = [at(x, b.mul(lda, I64(r))) for r in range(mr)]
@@ -151,8 +153,12 @@ def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False
         first[-1].add_incoming(zero, pre)
         first[-1].add_incoming(v, seeded)
 
-    def step(kk: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+    prefetch = declared(module, "llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
+
+    def step(kk: ll.Value, acc: list[ll.Value], fetching: bool) -> list[ll.Value]:
         base = b.mul(kk, ldp)
+        for h in range(2 * fetching):  # (read, L2, data)
+            b.call(prefetch, [at(ahead, b.add(base, I64(16 * h))), I32(0), I32(2), I32(1)])
         w = [b.load(at(panel, b.add(base, I64(16 * h))), typ=LANES16, align=4) for h in range(2)]
         acc = list(acc)
         for r in range(mr):
@@ -161,7 +167,16 @@ def block_kernel(module: ll.Module, prefix: str, mr: int, exported: bool = False
                 acc[2 * r + h] = fma(b, a, w[h], acc[2 * r + h])
         return acc
 
-    acc = carried(b, I64(0), k, 1, first, step)
+    ends = []
+    with b.if_else(b.icmp_unsigned("==", ahead, ll.Constant(PTR, None))) as (plain, fetching):
+        for branch, fetch in ((plain, False), (fetching, True)):
+            with branch:
+                ends.append((carried(b, I64(0), k, 1, first, functools.partial(step, fetching=fetch)), b.block))
+    acc = []
+    for i in range(2 * mr):
+        acc.append(b.phi(LANES16))
+        for values, block in ends:
+            acc[-1].add_incoming(values[i], block)
     with b.if_else(b.icmp_unsigned("==", init, ll.Constant(PTR, None))) as (alone, added):
         with alone:
             for r in range(mr):
@@ -360,7 +375,7 @@ def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, piec
                     panel, ldp = plain(b, w, ldw, s0, j0, part, ncols, stack)
                     chain = [b.select(firstq, seed, partial), b.select(firstq, seeds_rows, I64(0))]
                     args = [at(x, b.add(b.mul(i, ldx), s0)), ldx, panel, ldp, part, b.select(lastq, out, partial)]
-                    b.call(kernels[1], [*args, ldc, ncols, b.select(lastq, start, null), ld, *chain])
+                    b.call(kernels[1], [*args, ldc, ncols, b.select(lastq, start, null), ld, *chain, null])
         b.ret_void()
         return f
     long = b.icmp_signed(">", kc, I64(KC))  # a longer block's panel on the heap (aligned as vectors)
@@ -378,9 +393,11 @@ def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, piec
     buf.add_incoming(heap, allocated)
     for k0, depth, j0, ncols, first in blocks():
         panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
+        following = _following(b, w, ldw, k, n, kc, k0, j0) if panel_of is _panel_packed else null
         with counted_loop(b, lo, hi, MR) as i:
             out = at(c, b.add(b.mul(i, ldc), j0))
             args = [at(x, b.add(b.mul(i, ldx), k0)), ldx, panel, ldp, depth, out, ldc, ncols, *ends(i, j0, first, out)]
+            args.append(b.select(b.icmp_signed("==", i, lo), following, null))  # (the first rows prefetch it)
             height = smaller(b, b.sub(hi, i), I64(MR))
             for mr in range(1, MR + 1):
                 with b.if_then(b.icmp_signed("==", height, I64(mr))):
@@ -389,6 +406,21 @@ def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, piec
         b.call(declared(module, "free", VOID, [PTR]), [buf])
     b.ret_void()
     return f
+
+
+def _following(
+    b: ll.IRBuilder, w: ll.Value, ldw: ll.Value, k: ll.Value, n: ll.Value, kc: ll.Value, k0: ll.Value, j0: ll.Value
+) -> ll.Value:
+    """Where the packed panel a driver reads after (k0, j0) starts: the next 32 columns of this
+    block of K, or the next block's first; null after the last. (Its panels are packed weights
+    in memory: a model's weights stream through the cache, one panel after another, and the
+    first rows' steps prefetch the next one: 49 rows by a 4608 x 512 weight read from memory
+    ran 1.19 ms, 0.87 ms from L2.)"""
+    nxt = b.add(j0, I64(NR))
+    wrap = b.icmp_signed(">=", nxt, n)
+    k1, j1 = b.select(wrap, b.add(k0, kc), k0), b.select(wrap, I64(0), nxt)
+    start = b.gep(w, [b.add(b.mul(j1, ldw), b.mul(k1, I64(NR)))], source_etype=F32)
+    return b.select(b.icmp_signed("<", k1, k), start, ll.Constant(PTR, None))
 
 
 # name: (how a panel is made, whether the sums start from a seed)
