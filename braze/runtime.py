@@ -486,8 +486,9 @@ class Program:
 
     def _probed_gemms(self) -> bool:
         """Whether a GEMM's call was chosen by a probe at MKL's thread count (on another count,
-        eager's MKL may add in another order): one on one thread, or braze's own kernel."""
-        probed = ("one_thread", "one_thread_sizes", "own_kernel")
+        eager's MKL may add in another order): one on one thread, braze's own kernel, or exact
+        mode's 1 x 1 convolution as MKL's sgemm_ (on another count ATen may take oneDNN's path)."""
+        probed = ("one_thread", "one_thread_sizes", "own_kernel", "convolution")
         return any(k.attrs.get(a) for s in self.segments for k in s.kernels for a in probed)
 
     def _onednn(self) -> bool:

@@ -447,6 +447,21 @@ def test_a_1x1_convolution_is_a_native_gemm_in_the_order_of_atens_path(shape, bi
     _same_bits_across_settings(compiled, model, x, threads)
 
 
+@torch.no_grad()
+def test_a_1x1_convolution_as_mkls_product_is_compiled_again_on_another_thread_count(threads):
+    """Found by a random-CNN fuzz: on one thread ATen's path for this one is MKL's sgemm_, which
+    the program calls (MKL's own order); on two, oneDNN's, whose bits differ. The program's entry
+    checks MKL's thread count (it ran MKL's product on two threads: 1 ulp off at 1e3)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(33, 17, 1)).eval()  # (a layer: its call is the one lowered)
+    x = torch.randn(1, 33, 32, 33) * 1e3
+    threads(1)
+    compiled = braze.compile(model)
+    for count in (1, 2, 1):
+        threads(count)
+        assert torch.equal(compiled(x), model(x))
+
+
 def test_a_1x1_convolution_braze_has_no_order_for_stays_atens_call(monkeypatch):
     from braze import gemmkernel
     from braze.lowering import conv
