@@ -378,7 +378,9 @@ def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, piec
                     b.call(kernels[1], [*args, ldc, ncols, b.select(lastq, start, null), ld, *chain, null])
         b.ret_void()
         return f
-    long = b.icmp_signed(">", kc, I64(KC))  # a longer block's panel on the heap (aligned as vectors)
+    packed = panel_of is _panel_packed  # (panels read in place: no block needs room of its own)
+    # a longer block's panel on the heap (aligned as vectors)
+    long = ll.Constant(ll.IntType(1), 0) if packed else b.icmp_signed(">", kc, I64(KC))
     pre = b.block
     with b.if_then(long):
         heap = b.call(
@@ -393,7 +395,7 @@ def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, piec
     buf.add_incoming(heap, allocated)
     for k0, depth, j0, ncols, first in blocks():
         panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
-        following = _following(b, w, ldw, k, n, kc, k0, j0) if panel_of is _panel_packed else null
+        following = _following(b, w, ldw, k, n, kc, k0, j0) if packed else null
         with counted_loop(b, lo, hi, MR) as i:
             out = at(c, b.add(b.mul(i, ldc), j0))
             args = [at(x, b.add(b.mul(i, ldx), k0)), ldx, panel, ldp, depth, out, ldc, ncols, *ends(i, j0, first, out)]

@@ -139,11 +139,8 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
     if not lw.fast or weight is None or not blas["ta"] or blas["lda"] != blas["k"]:
         return {}
     real = kept_weight(lw, weight)  # (packed again and again before: read in place)
-    if (
-        real is None or real.shape[0] != blas["m"] or real.numel() != blas["m"] * blas["k"]
-    ):  # (a 1 x 1 convolution's too)
-        return {}
-    return {"pack": fast.GemmPack(real), "pack_source": lw.owner(weight.name)}
+    fits = real is not None and real.shape[0] == blas["m"] and real.numel() == blas["m"] * blas["k"]
+    return {"pack": fast.GemmPack(real), "pack_source": lw.owner(weight.name)} if fits else {}  # (1 x 1 convs' too)
 
 
 def kept_weight(lw: Lowerer, w: Sym) -> torch.nn.Parameter | None:
