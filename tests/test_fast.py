@@ -806,6 +806,16 @@ def test_convolutions_as_gemms_repack_changed_weights_and_share_a_generic_progra
 
 
 @torch.no_grad()
+def test_a_convolution_whose_patches_would_be_large_stays_onednns_in_pieces():
+    model = nn.Sequential(nn.Conv2d(3, 64, 1), nn.Conv2d(64, 8, 7, padding=3)).eval()
+    x = torch.randn(1, 3, 72, 72)  # (72 x 72 pixels by 7 x 7 x 64: 51 MB of patches)
+    compiled = braze.compile(model, mode="fast")
+    assert _within(compiled, model, x)
+    assert Op.IM2COL not in [nd.op for p in compiled.programs() for nd in p.graph.nodes]
+    assert any("2 pieces" in why for why in _whys(compiled, "conv2d"))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("size, gemm", [(7, True), (14, False)])
 def test_few_pixels_of_a_3x3_convolution_are_a_gemm_not_winograds(size, gemm):
     """Winograd's transformed weight is 16 / 9 of the weight: for few tiles, reading it costs

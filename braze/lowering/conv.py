@@ -104,13 +104,20 @@ def _conv2d(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     return sym
 
 
+# _as_gemm's patches take at most this many bytes: they are the input copied once per tap
+# (ResNet-18's largest, 784 pixels by 3 x 3 x 64: 1.8 MB); a 7 x 7 of 64 channels over 112 x 112
+# pixels would take 157 MB, scratch memory each program keeps, where oneDNN's call needs none
+PATCHES_BYTES = 16 << 20
+
+
 def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sym | None:
     """Fast mode: a convolution that oneDNN's packed call would compute in pieces (_pieces), or a
     1 x 1 one with a stride or padding (ResNet's downsampling), as one GEMM of its patches
     (Op.IM2COL) by its weight packed once (gemm.conv_gemm), K summed in blocks of
     CHANNELS_PER_PIECE channels' taps: the pieces' accuracy without their grouped call, and
     the kernel's speed. What follows it (bias, BatchNorm, ReLU, a residual) is the GEMM's
-    epilogue. None where it is not such a convolution of channels-last pixels."""
+    epilogue. None where it is not such a convolution of channels-last pixels, or its patches
+    would take more than PATCHES_BYTES."""
     stride, padding, dilation, groups = window
     o, c, kh, kw = w.meta.shape
     if groups != 1 or not (isinstance(out, torch.Tensor) and out.numel()):
@@ -119,9 +126,9 @@ def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sy
         return None
     if _pieces(w) == 1 and not ((kh, kw) == (1, 1) and (stride, padding) != ([1, 1], [0, 0])):
         return None
-    if not config.own_gemm or gemm.kept_weight(lw, w) is None:
-        return None
     n, _, oh, ow = out.shape
+    if n * oh * ow * kh * kw * c * 4 > PATCHES_BYTES or not config.own_gemm or gemm.kept_weight(lw, w) is None:
+        return None
     window_attrs = {"kernel": (kh, kw), "stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation)}
     patches = lw.emit(Op.IM2COL, (x.name,), torch.empty(n * oh * ow, kh * kw * c, device="meta"), **window_attrs)
     unfolded = F.unfold(lw.example(x), (kh, kw), dilation, padding, stride)  # [N, C * KH * KW, OH * OW]
