@@ -421,8 +421,9 @@ def _following(
     nxt = b.add(j0, I64(NR))
     wrap = b.icmp_signed(">=", nxt, n)
     k1, j1 = b.select(wrap, b.add(k0, kc), k0), b.select(wrap, I64(0), nxt)
-    start = b.gep(w, [b.add(b.mul(j1, ldw), b.mul(k1, I64(NR)))], source_etype=F32)
-    return b.select(b.icmp_signed("<", k1, k), start, ll.Constant(PTR, None))
+    null = ll.Constant(PTR, None)
+    start, _ = _panel_packed(b, w, ldw, k1, j1, kc, I64(NR), null)
+    return b.select(b.icmp_signed("<", k1, k), start, null)
 
 
 # name: (how a panel is made, whether the sums start from a seed)

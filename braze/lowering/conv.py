@@ -127,13 +127,16 @@ def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sy
     if _pieces(w) == 1 and not ((kh, kw) == (1, 1) and (stride, padding) != ([1, 1], [0, 0])):
         return None
     n, _, oh, ow = out.shape
-    if n * oh * ow * kh * kw * c * 4 > PATCHES_BYTES or not config.own_gemm or gemm.kept_weight(lw, w) is None:
+    if n * oh * ow * kh * kw * c * 4 > PATCHES_BYTES or not config.own_gemm:
+        return None
+    real = gemm.kept_weight(lw, w)
+    if real is None:
         return None
     window_attrs = {"kernel": (kh, kw), "stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation)}
     patches = lw.emit(Op.IM2COL, (x.name,), torch.empty(n * oh * ow, kh * kw * c, device="meta"), **window_attrs)
     unfolded = F.unfold(lw.example(x), (kh, kw), dilation, padding, stride)  # [N, C * KH * KW, OH * OW]
     lw.real[patches.name] = unfolded.view(n, c, kh * kw, -1).permute(0, 3, 2, 1).reshape(n * oh * ow, -1)
-    product = gemm.conv_gemm(lw, patches, w, 0 if (kh, kw) == (1, 1) else kh * kw * CHANNELS_PER_PIECE)
+    product = gemm.conv_gemm(lw, patches, w, real, 0 if (kh, kw) == (1, 1) else kh * kw * CHANNELS_PER_PIECE)
     layout = torch.empty(out.shape, device="meta", memory_format=torch.channels_last)
     y = lw.view(product, lambda t: t.as_strided(out.shape, layout.stride(), t.storage_offset()))
     return y if b is None else lw.elementwise(Op.ADD, (y, lw.view(b, lambda t: t.view(-1, 1, 1))), layout)

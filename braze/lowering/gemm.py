@@ -146,19 +146,18 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
 def kept_weight(lw: Lowerer, w: Sym) -> torch.nn.Parameter | None:
     """Fast mode: the model's parameter behind w where its panels can be kept packed between calls
     (contiguous, with a version counter, not packed again and again before), else None."""
-    real = lw.params.get(lw.owner(w.name), lw.given.get(lw.owner(w.name)))
+    source = lw.owner(w.name)
+    real = lw.params.get(source, lw.given.get(source))
     if not isinstance(real, torch.nn.Parameter) or not real.is_contiguous() or jit.tensor_version(real) is None:
         return None
     return real if fast.steady(real) else None
 
 
-def conv_gemm(lw: Lowerer, patches: Sym, w: Sym, chunk: int) -> Sym:
+def conv_gemm(lw: Lowerer, patches: Sym, w: Sym, real: torch.nn.Parameter, chunk: int) -> Sym:
     """Fast mode: a convolution's patches [M, K] (Op.IM2COL's, K tap by tap) @ its weight w [O, C,
-    KH, KW] (one kept_weight gives), on the weight's panels packed once in that order
-    (fast.GemmPack, checked by the entry on every call): braze's kernel at every row count, K
-    in blocks of `chunk`."""
-    real = kept_weight(lw, w)
-    assert real is not None and config.own_gemm
+    KH, KW], the model's parameter `real` (what kept_weight gave), on its panels packed once in
+    that order (fast.GemmPack, checked by the entry on every call): braze's kernel at every row
+    count, K in blocks of `chunk`."""
     (m, k), o = patches.meta.shape, w.meta.shape[0]
     # BLAS's view of it, the kernel's form (own_kernel), also where one output channel or one
     # pixel would let blas_args take the other: C^T [O, M] = W [O, K] (transposed) @ patches^T
