@@ -586,14 +586,16 @@ def _chains(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, chunk: 
 @pytest.mark.parametrize("linear", [False, True])
 @pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("k,chunk", [(40, 40), (40, 16), (33, 16), (640, 80), (700, 256), (17, 200)])
-def test_the_kernels_block_size_and_seed_give_the_blocked_order(k, chunk, seeded, linear):
+@pytest.mark.parametrize("m", [1, 13, 64])
+def test_the_kernels_block_size_and_seed_give_the_blocked_order(m, k, chunk, seeded, linear):
     """gemmkernel's drivers with a block of K given and the sums seeded (oneDNN's 1 x 1 convolution
     orders, docs/aten-bits.md) against a reference of the order itself, not eager's: blocks of
-    16 to 256 (over KC: a panel on the heap), K not a multiple of them, odd M and N."""
+    16 to 256 (over KC: a panel on the heap), K not a multiple of them or of the block kernels'
+    two steps a turn, odd N; rows in blocks of 1, of 4 and 5, of 5 and 6."""
     from braze import gemmkernel
 
     torch.manual_seed(k + chunk)
-    m, n = 13, 37
+    n = 37
     x, w = torch.randn(m, k), torch.randn(n, k) if linear else torch.randn(k, n)
     bias = torch.randn(m if seeded and not linear else n)
     got = gemmkernel.gemm(x, w, bias, linear, chunk=chunk, seeded=seeded)
