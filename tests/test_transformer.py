@@ -95,3 +95,32 @@ def test_multihead_attention_inside_a_dynamo_graph_runs_eagers_fused_kernel():
             check_model(model, (torch.randn(*shape),), compiled=compiled)
     calls = {label for sub in compiled._subgraphs for p in sub.programs() for label, _ in p.externs}
     assert "torch._native_multi_head_attention" in calls
+
+
+@pytest.mark.parametrize("activation,norm_first", [("relu", False), ("gelu", True)])
+@pytest.mark.parametrize("d,heads", [(64, 2), (128, 2), (40, 4)])  # head sizes 32, 64, 10
+@pytest.mark.parametrize("batch,length", [(1, 1), (2, 33), (3, 16)])
+@pytest.mark.parametrize("n", [1, 2])
+def test_fast_modes_encoder_layer_runs_its_attention_kernel(
+    activation, norm_first, d, heads, batch, length, n, threads
+):
+    """Fast mode: heads of a multiple of 32 are fast mode's attention kernel on the projection's
+    output in place (no bmm, no scores in memory, no copies of q, k, v); others the fused path's
+    ops as in exact mode. Within the contract either way, at scales 1e-3 to 1e3."""
+    from braze.ir import Op
+
+    threads(n)
+    layer = _layer(d, heads, activation, norm_first)
+    with torch.no_grad():
+        for scale in (1e-3, 1.0, 1e3):
+            x = torch.randn(batch, length, d) * scale
+            assert braze.check_accuracy(layer, x, mode="fast").ok
+        compiled = braze.compile(layer, mode="fast")
+        compiled(x)
+    (prog,) = compiled.programs()
+    ops, fused = [node.op for node in prog.graph.nodes], d // heads % 32 == 0
+    assert not prog.externs or not fused  # (exact mode's bmm of one token is ATen's)
+    bmms = 0 if length == 1 else 2  # (or ATen's, with one token)
+    assert (ops.count(Op.ATTENTION), ops.count(Op.BMM), ops.count(Op.SOFTMAX)) == ((1, 0, 0) if fused else (0, bmms, 1))
+    assert ops.count(Op.GEMM) == 4  # the projections, the FFN
+    assert not fused or ops.count(Op.FUSED) == 0  # no bias loops or copies of q, k, v and the heads
