@@ -4,6 +4,7 @@ bit with eager, and native (no ATen call) where eager takes that path."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -73,9 +74,9 @@ def test_encoder_with_a_padding_mask_takes_eagers_nested_path():
 
 
 class _AttentionThenBranch(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, heads: int = 4) -> None:
         super().__init__()
-        self.attention = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+        self.attention = torch.nn.MultiheadAttention(64, heads, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.attention(x, x, x, need_weights=False)[0]
@@ -86,15 +87,19 @@ class _AttentionThenBranch(torch.nn.Module):
 
 def test_multihead_attention_inside_a_dynamo_graph_runs_eagers_fused_kernel():
     """Told it is being compiled, nn.MultiheadAttention runs F.multi_head_attention_forward
-    instead of eager's fused kernel (1.2e-7 apart): braze tells it eager's answer."""
+    instead of eager's fused kernel (1.2e-7 apart): braze tells it eager's answer, and the
+    graph's torch._native_multi_head_attention is the fused layer's attention, bit for bit."""
+    from braze.ir import Op
+
     torch.manual_seed(0)
     model = _AttentionThenBranch().eval()
     compiled = braze.compile(model)
     with torch.no_grad():
         for shape in ((2, 9, 64), (3, 33, 64)):
             check_model(model, (torch.randn(*shape),), compiled=compiled)
-    calls = {label for sub in compiled._subgraphs for p in sub.programs() for label, _ in p.externs}
-    assert "torch._native_multi_head_attention" in calls
+    progs = [p for sub in compiled._subgraphs for p in sub.programs()]
+    assert not any("multi_head" in label for p in progs for label, _ in p.externs)
+    assert any([n.op for n in p.graph.nodes].count(Op.BMM) == 2 for p in progs)  # (q k^T, then v)
 
 
 @pytest.mark.parametrize("activation,norm_first", [("relu", False), ("gelu", True)])
@@ -124,3 +129,88 @@ def test_fast_modes_encoder_layer_runs_its_attention_kernel(
     assert (ops.count(Op.ATTENTION), ops.count(Op.BMM), ops.count(Op.SOFTMAX)) == ((1, 0, 0) if fused else (0, bmms, 1))
     assert ops.count(Op.GEMM) == 4  # the projections, the FFN
     assert not fused or ops.count(Op.FUSED) == 0  # no bias loops or copies of q, k, v and the heads
+
+
+def test_fast_modes_native_multihead_attention_in_a_dynamo_graph_runs_its_attention_kernel():
+    from braze.ir import Op
+
+    torch.manual_seed(0)
+    model = _AttentionThenBranch(heads=2).eval()
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        x = torch.randn(3, 33, 64)
+        assert braze.check_accuracy(model, x, mode="fast").ok
+        compiled(x)
+    progs = [p for sub in compiled._subgraphs for p in sub.programs()]
+    assert [n.op for p in progs for n in p.graph.nodes].count(Op.ATTENTION) == 1
+    assert not any("multi_head" in label for p in progs for label, _ in p.externs)
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self, d: int, heads: int, batch_first: bool, bias: bool = True, **call: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, heads, bias=bias, batch_first=batch_first)
+        self.call = {"need_weights": False} | call
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.norm(x)
+        return x + self.attn(y, y, y, key_padding_mask=mask, **self.call)[0]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("d,heads", [(64, 2), (192, 3), (40, 4)])  # head sizes 32, 64, 10
+@pytest.mark.parametrize("shape", [(1, 1), (2, 33), (3, 16)])
+@pytest.mark.parametrize("n", [1, 2])
+def test_fast_modes_multihead_attention_runs_its_attention_kernel(batch_first, bias, d, heads, shape, n, threads):
+    """Fast mode: nn.MultiheadAttention's self-attention with heads of a multiple of 32 is the
+    projection (its bias in the GEMM) and fast mode's attention kernel on its output in place,
+    either order of batch and tokens, odd head counts too; other heads keep the module's call.
+    Within the contract at scales 1e-3 to 1e3, with grad mode on or off."""
+    from braze.ir import Op
+
+    threads(n)
+    model = _SelfAttention(d, heads, batch_first, bias).eval().requires_grad_(False)
+    for scale in (1e-3, 1.0, 1e3):
+        x = torch.randn(*shape, d) * scale
+        with torch.set_grad_enabled(scale == 1.0):
+            assert braze.check_accuracy(model, x, mode="fast").ok
+    compiled = braze.compile(model, mode="fast")
+    compiled(x)
+    (prog,) = compiled.programs()
+    ops, native = [node.op for node in prog.graph.nodes], d // heads % 32 == 0
+    assert [label for label, _ in prog.externs] == (
+        [] if native else ["attn (MultiheadAttention)", "_operator.getitem"]
+    )
+    assert (ops.count(Op.ATTENTION), ops.count(Op.GEMM)) == ((1, 2) if native else (0, 0))
+
+
+@pytest.mark.parametrize("weights,masked", [(True, False), (False, True)])
+def test_other_multihead_attention_keeps_the_modules_call(weights, masked):
+    model = _SelfAttention(64, 2, True, need_weights=weights).eval()
+    x, mask = torch.randn(2, 9, 64), torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, 5:] = True
+    args = (x, mask) if masked else (x,)
+    with torch.no_grad():
+        assert braze.check_accuracy(model, *args, mode="fast").ok
+        compiled = braze.compile(model, mode="fast")
+        compiled(*args)
+        check_model(model, args)  # exact mode: the module's call, eager's bits
+    (prog,) = compiled.programs()
+    assert ("attn (MultiheadAttention)", "nn.MultiheadAttention with a mask, or returning its weights") in prog.externs
+
+
+def test_fast_modes_multihead_attention_sees_its_weights_change():
+    model = _SelfAttention(64, 2, True).eval()
+    x = torch.randn(2, 9, 64)
+    compiled = braze.compile(model, mode="fast")
+    with torch.no_grad():
+        before = compiled(x)
+        model.attn.in_proj_weight.mul_(-0.5)  # in place: the packed weight is packed again
+        model.attn.out_proj.weight = torch.nn.Parameter(model.attn.out_proj.weight * 2)  # replaced
+        after = compiled(x)
+        assert not torch.allclose(before, after)
+        assert braze.check_accuracy(model, x, mode="fast").ok
+        torch.testing.assert_close(after, model(x), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,9 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
                     ATen's avg_pool2d and other adaptive pools called from native code
     conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
     index.py        embedding as native row copies
-    transformer.py  nn.TransformerEncoderLayer's fused fast path, as the ops its CPU kernel runs
+    transformer.py  nn.TransformerEncoderLayer's fused fast path, as the ops its CPU kernel runs;
+                    and nn.MultiheadAttention's (fast mode: the module too, its attention
+                    fast mode's kernel)
     attention.py    scaled_dot_product_attention: fast mode's own kernel
 """
 
@@ -62,7 +64,7 @@ from .gemm import _addmm, _bmm, _linear, _matmul, _mm, blas_args, bmm_blas_args
 from .index import _embedding
 from .pool import _adaptive_avg_pool2d, _avg_pool2d, _max_pool2d
 from .rows import _group_norm, _layer_norm, _softmax, _sum
-from .transformer import _encoder_layer
+from .transformer import _encoder_layer, _multihead_attention, _native_multihead_attention
 from .views import (
     _attribute,
     _cat,
@@ -214,6 +216,8 @@ def _rows() -> None:
     register(F.conv2d, torch.conv2d, nn.Conv2d)(_conv2d)
     register(F.embedding, nn.Embedding)(_embedding)
     register(torch._transformer_encoder_layer_fwd)(_encoder_layer)
+    register(nn.MultiheadAttention)(_multihead_attention)
+    register(torch._native_multi_head_attention)(_native_multihead_attention)
     register(F.scaled_dot_product_attention)(_attention)
     register(F.linear, nn.Linear)(_linear)
     register(torch.bmm, "bmm")(_bmm)

@@ -41,11 +41,8 @@ def _encoder_layer(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) ->
     src, heads = g["src"], g["num_heads"]
     if g.get("mask") is not None:
         raise NotNative("the fused transformer layer with a mask (ATen's _masked_softmax: glibc expf, double sums)")
-    if not (is_float32(src) and src.meta.dim() == 3 and src.meta.numel() > 0):
-        raise NotNative("the fused transformer layer of a tensor that is not non-empty 3-D float32")
+    _foldable(src, "the fused transformer layer")
     b, t, d = src.meta.shape
-    if src.meta.stride(0) != src.meta.stride(1) * t:
-        raise NotNative("the fused transformer layer of an input its matmul does not fold into one GEMM")
     ops = _Ops(lw)
     x = ops.norm(src, g, 1) if g["norm_first"] else src
     x = ops.add(_attention(ops, x, g, b, t, d, heads), src)
@@ -58,10 +55,36 @@ def _encoder_layer(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) ->
     return ops.norm(y, g, 2) if not g["norm_first"] else y
 
 
+_NATIVE_MHA_ARGS = (
+    "query key value embed_dim num_heads qkv_weight qkv_bias proj_weight proj_bias mask need_weights".split()
+)
+
+
+def _native_multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> tuple:
+    """torch._native_multi_head_attention (nn.MultiheadAttention's fast path, as a TorchDynamo
+    graph holds it): the fused layer's attention, the same ATen kernel (native_multi_head_attention_cpu)."""
+    g = dict(zip(_NATIVE_MHA_ARGS, args)) | kwargs
+    x = g["query"]
+    if not (isinstance(x, Sym) and x is g["key"] and x is g["value"]):
+        raise NotNative("attention whose query, key and value are not one tensor")
+    if g.get("mask") is not None or g.get("need_weights", True):
+        raise NotNative("the fused attention with a mask, or returning its weights")
+    _foldable(x, "the fused attention")
+    b, t, d = x.meta.shape
+    return _attention(_Ops(lw, "torch._native_multi_head_attention"), x, g, b, t, d, g["num_heads"]), None
+
+
+def _foldable(x: Sym, what: str) -> None:
+    if not (is_float32(x) and x.meta.dim() == 3 and x.meta.numel() > 0):
+        raise NotNative(f"{what} of a tensor that is not non-empty 3-D float32")
+    if x.meta.stride(0) != x.meta.stride(1) * x.meta.shape[1]:
+        raise NotNative(f"{what} of an input its matmul does not fold into one GEMM")
+
+
 def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -> Sym:
     dh = d // heads
     if ops.lw.fast and dh % 32 == 0:
-        return _fused_attention(ops, x, g, b, t, d, heads)
+        return _fused_attention(ops, x, g["qkv_weight"], g["qkv_bias"], (g["proj_weight"], g["proj_bias"]), heads, True)
     qkv = ops.call(F.linear, ops.method("view", x, b * t, d), g["qkv_weight"])  # ATen: mm(x, W^T)
     qkv = ops.method("view", qkv, b, t, 3, heads, dh)
     bias = ops.method("view", g["qkv_bias"], 3, 1, 1, heads, dh)
@@ -80,32 +103,59 @@ def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -
     return ops.method("view", ops.addmm(g["proj_bias"], ctx, g["proj_weight"]), b, t, d)
 
 
-def _fused_attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -> Sym:
-    """Fast mode: the projection's bias in its GEMM, the heads read in place from its output by
-    fast mode's attention kernel (the scale on the scores, no [B H, T, T] scores in memory),
-    whose [B, T, H, dh] output is the output projection's input as it stands."""
+def _fused_attention(ops: _Ops, x: Sym, w: Sym, bias: Any, proj: tuple[Any, Any], heads: int, batch_first: bool) -> Sym:
+    """Fast mode: x [batch, tokens, d] (or [tokens, batch, d]) through the projection w with its
+    bias in the GEMM, fast mode's attention kernel reading the heads in place from its output
+    (the scale on the scores, no [batch heads, tokens, tokens] scores in memory), its output the
+    output projection's input (as it stands where the batch comes first)."""
+    a, c, d = x.meta.shape
     dh = d // heads
-    qkv = ops.call(F.linear, ops.method("view", x, b * t, d), g["qkv_weight"], g["qkv_bias"])
-    qkv = ops.method("view", qkv, b, t, 3, heads, dh)
-    q, k, v = (ops.method("permute", ops.item(qkv, (slice(None), slice(None), i)), 0, 2, 1, 3) for i in range(3))
+    qkv = ops.method("view", ops.call(F.linear, ops.method("reshape", x, a * c, d), w, bias), a, c, 3, heads, dh)
+    order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)  # to [batch, heads, tokens, dh]
+    q, k, v = (ops.method("permute", ops.item(qkv, (slice(None), slice(None), i)), *order) for i in range(3))
     ctx = ops.call(F.scaled_dot_product_attention, q, k, v)
-    ctx = ops.method("reshape", ops.method("permute", ctx, 0, 2, 1, 3), b * t, d)
-    return ops.method("view", ops.addmm(g["proj_bias"], ctx, g["proj_weight"]), b, t, d)
+    ctx = ops.method("permute", ctx, *((0, 2, 1, 3) if batch_first else (2, 0, 1, 3)))
+    return ops.method("view", ops.addmm(proj[1], ops.method("reshape", ctx, a * c, d), proj[0]), a, c, d)
+
+
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
+
+
+def _multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> tuple:
+    """nn.MultiheadAttention in fast mode: self-attention without masks or weights returned, heads
+    of a multiple of 32, as _fused_attention. (Exact mode keeps the module's call: which of its
+    paths eager takes, and so its bits, is decided per call, by torch.backends.mha among others.)"""
+    g = dict(zip(_MHA_ARGS, args)) | kwargs
+    x, heads = g["query"], fn.num_heads
+    if not lw.fast:
+        raise NotNative("exact mode: eager decides per call between nn.MultiheadAttention's two paths")
+    if not (isinstance(x, Sym) and x is g["key"] and x is g["value"]):
+        raise NotNative("attention whose query, key and value are not one tensor")
+    if g.get("need_weights", True) or g.get("attn_mask") is not None or g.get("key_padding_mask") is not None:
+        raise NotNative("nn.MultiheadAttention with a mask, or returning its weights")
+    if (fn.training and fn.dropout) or fn.bias_k is not None or fn.add_zero_attn or not fn._qkv_same_embed_dim:
+        raise NotNative("nn.MultiheadAttention with dropout, added keys or separate projections")
+    if not (is_float32(x) and x.meta.dim() == 3 and fn.head_dim % 32 == 0):
+        raise NotNative("nn.MultiheadAttention of a tensor that is not 3-D float32, or heads not a multiple of 32")
+    ops = _Ops(lw, "nn.MultiheadAttention")
+    w, bias = lw.param(fn.in_proj_weight, "in_proj_weight"), fn.in_proj_bias
+    bias = None if bias is None else lw.param(bias, "in_proj_bias")
+    y = _fused_attention(ops, x, w, bias, lw.weights(fn.out_proj), heads, fn.batch_first)
+    return y, None
 
 
 class _Ops:
     """The calls of the decomposition, each lowered as the graph's own calls are (lw.call)."""
 
-    def __init__(self, lw: Lowerer) -> None:
-        self.lw = lw
+    def __init__(self, lw: Lowerer, within: str = "torch._transformer_encoder_layer_fwd") -> None:
+        self.lw, self.within = lw, within
 
     def call(self, fn: Any, *args: Any) -> Any:
         name = getattr(fn, "__name__", str(fn))
-        return self.lw.call(fn, args, {}, key=fn, label=f"torch._transformer_encoder_layer_fwd: {name}")
+        return self.lw.call(fn, args, {}, key=fn, label=f"{self.within}: {name}")
 
     def method(self, name: str, *args: Any) -> Any:
-        label = f"torch._transformer_encoder_layer_fwd: .{name}"
-        return self.lw.call(getattr(torch.Tensor, name), args, {}, key=name, label=label)
+        return self.lw.call(getattr(torch.Tensor, name), args, {}, key=name, label=f"{self.within}: .{name}")
 
     def add(self, a: Sym, b: Sym) -> Sym:
         return self.call(operator.add, a, b)
@@ -125,5 +175,5 @@ class _Ops:
             (x, (d,), g[f"norm_weight_{i}"], g[f"norm_bias_{i}"], g["eps"]),
             {},
             key=F.layer_norm,
-            label="torch._transformer_encoder_layer_fwd: layer_norm",
+            label=f"{self.within}: layer_norm",
         )
