@@ -192,7 +192,8 @@ def build_program(
     layers = {id(m): m for m in (captured.root, *captured.traced, *lowered.called)}.values()
     hooks = tuple((t, len(t)) for t in (*hook_tables(), *(t for m in layers for t in hook_tables(m))))
     owners = _owners(captured.root)
-    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, owners, hooks, tuple(layers))
+    watched = (*layers, *lowered.watched)
+    guard = Guard(args, tuple(flags.values()), params, epoch, epoch[0], names, owners, hooks, watched)
     prog = Program(lowered, graph, timings, guard, family)
     prog.pass_log = log
     prog.captured_graph = captured.graph

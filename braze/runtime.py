@@ -580,5 +580,6 @@ class Guard:
     owners: dict[int, tuple[tuple[dict, str], ...]] = field(default_factory=dict)
     hooks: tuple[tuple[dict, int], ...] = ()  # forward hook tables and how many hooks each held
     # The layers the program calls or inlines: their attributes (alpha, stride) were read as
-    # constants; the entry watches their dictionaries' versions (see Program._attributes)
-    layers: tuple[torch.nn.Module, ...] = ()
+    # constants; the entry watches their dictionaries' versions (see Program._attributes); and
+    # other objects whose attributes a lowering read (Lowered.watched)
+    layers: tuple[Any, ...] = ()

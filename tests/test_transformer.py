@@ -187,6 +187,50 @@ def test_fast_modes_multihead_attention_runs_its_attention_kernel(batch_first, b
     assert (ops.count(Op.ATTENTION), ops.count(Op.GEMM)) == ((1, 2) if native else (0, 0))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("d,heads", [(64, 2), (192, 2), (40, 4), (60, 3)])  # odd heads: eager's other path
+@pytest.mark.parametrize("shape", [(1, 1), (2, 33), (3, 16)])
+@pytest.mark.parametrize("n", [1, 2])
+def test_exact_modes_multihead_attention_is_eagers_fused_kernel(batch_first, d, heads, shape, n, threads):
+    """Exact mode: where eager's nn.MultiheadAttention calls its fused kernel (batch first, an even
+    number of heads, ...), the kernel's ops in its order, bit for bit, under no_grad or with no
+    weight requiring grad; elsewhere the module's call."""
+    threads(n)
+    model = _SelfAttention(d, heads, batch_first).eval()
+    # the module's call and [0] of it; or ATen's two bmm of one token
+    externs = 0 if batch_first and heads % 2 == 0 and shape[1] > 1 else 2
+    with torch.no_grad():
+        check_model(model, (torch.randn(*shape, d),), externs=externs)
+    model.requires_grad_(False)
+    check_model(model, (torch.randn(*shape, d) * 1e3,), externs=externs)
+
+
+def test_exact_modes_multihead_attention_follows_eagers_choice_when_it_changes():
+    """torch.backends.mha's switch and the module's attributes decide eager's path at each call:
+    a program for one path is not run on the other (the entry watches both; compiled again)."""
+    model = _SelfAttention(64, 2, True).eval()
+    x = torch.randn(2, 9, 64)
+    compiled = braze.compile(model)
+
+    def native() -> bool:
+        return not compiled.programs()[-1].externs
+
+    with torch.no_grad():
+        check_model(model, (x,), compiled=compiled)
+        assert native()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            check_model(model, (x,), compiled=compiled)  # F.multi_head_attention_forward's bits
+            assert not native()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+        check_model(model, (x,), compiled=compiled)
+        assert native()
+        model.attn.batch_first = False
+        check_model(model, (x.transpose(0, 1).contiguous(),), compiled=compiled)
+        assert not native()
+
+
 @pytest.mark.parametrize("weights,masked", [(True, False), (False, True)])
 def test_other_multihead_attention_keeps_the_modules_call(weights, masked):
     model = _SelfAttention(64, 2, True, need_weights=weights).eval()

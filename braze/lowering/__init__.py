@@ -17,9 +17,8 @@ change is braze's own intermediate; changing an input or a view is `Unsupported`
                     ATen's avg_pool2d and other adaptive pools called from native code
     conv.py         conv2d: ATen's in exact mode; fast mode's packed oneDNN call, BatchNorm and ReLU folded in
     index.py        embedding as native row copies
-    transformer.py  nn.TransformerEncoderLayer's fused fast path, as the ops its CPU kernel runs;
-                    and nn.MultiheadAttention's (fast mode: the module too, its attention
-                    fast mode's kernel)
+    transformer.py  nn.TransformerEncoderLayer's and nn.MultiheadAttention's fused fast paths, as
+                    the ops their CPU kernel runs (fast mode: its attention fast mode's kernel)
     attention.py    scaled_dot_product_attention: fast mode's own kernel
 """
 

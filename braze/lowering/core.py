@@ -71,6 +71,9 @@ class Lowered:
     # (ATen's matmul folds where the weight requires grad, even under no_grad), with its value:
     # the entry checks it
     grad_read: tuple[tuple[str, bool], ...] = ()
+    # Objects other than the layers whose attributes a lowering decided on (torch.backends.mha's
+    # switch): the entry watches their dictionaries as it watches the layers' (runtime.Guard)
+    watched: tuple[Any, ...] = ()
 
 
 def to_meta(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -117,6 +120,7 @@ class Lowerer:
         self.layout_read: set[str] = set()
         self.ops: dict[str, Op] = {}
         self.reads_training: list[torch.nn.Module] = []
+        self.watched: list[Any] = []  # see Lowered.watched
         self.grad_read: dict[str, bool] = {}  # see Lowered.grad_read
         self.called: list[torch.nn.Module] = []
         self.env: dict[torch.fx.Node, Any] = {}
@@ -415,6 +419,7 @@ class Lowerer:
             reads,
             tuple(self.called),
             tuple(self.grad_read.items()),
+            tuple({id(o): o for o in self.watched}.values()),
         )
 
     def _in_eager_layouts(self, result: Any) -> Any:

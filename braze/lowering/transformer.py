@@ -1,6 +1,8 @@
 """nn.TransformerEncoderLayer's fused fast path (`torch._transformer_encoder_layer_fwd`, what an
 eval layer with batch_first calls) lowered as the ops its CPU kernel runs, in its order, so each
-becomes braze's own (GEMMs, softmax, layer_norm, elementwise) or an ATen call of its own.
+becomes braze's own (GEMMs, softmax, layer_norm, elementwise) or an ATen call of its own; and
+nn.MultiheadAttention's (`torch._native_multi_head_attention`, the same kernel's attention) where
+eager takes it.
 
 ATen's CPU path (transformers/transformer.cpp, attention.cpp, NativeMultiheadAttnKernel.cpp):
 optional layer_norm; qkv = matmul(x, W_qkv.t()) without bias; q = (q + b_q) * s with s =
@@ -56,7 +58,7 @@ def _encoder_layer(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) ->
 
 
 _NATIVE_MHA_ARGS = (
-    "query key value embed_dim num_heads qkv_weight qkv_bias proj_weight proj_bias mask need_weights".split()
+    "query key value embed_dim num_head qkv_weight qkv_bias proj_weight proj_bias mask need_weights".split()
 )
 
 
@@ -71,7 +73,7 @@ def _native_multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict,
         raise NotNative("the fused attention with a mask, or returning its weights")
     _foldable(x, "the fused attention")
     b, t, d = x.meta.shape
-    return _attention(_Ops(lw, "torch._native_multi_head_attention"), x, g, b, t, d, g["num_heads"]), None
+    return _attention(_Ops(lw, "torch._native_multi_head_attention"), x, g, b, t, d, g["num_head"]), None
 
 
 def _foldable(x: Sym, what: str) -> None:
@@ -122,26 +124,70 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
 
 
 def _multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> tuple:
-    """nn.MultiheadAttention in fast mode: self-attention without masks or weights returned, heads
-    of a multiple of 32, as _fused_attention. (Exact mode keeps the module's call: which of its
-    paths eager takes, and so its bits, is decided per call, by torch.backends.mha among others.)"""
+    """nn.MultiheadAttention's self-attention without masks or weights returned. Exact mode: where
+    eager takes the module's fused kernel (torch._native_multi_head_attention), that kernel's ops
+    (_attention); fast mode: heads of a multiple of 32, _fused_attention."""
     g = dict(zip(_MHA_ARGS, args)) | kwargs
-    x, heads = g["query"], fn.num_heads
-    if not lw.fast:
-        raise NotNative("exact mode: eager decides per call between nn.MultiheadAttention's two paths")
+    x = g["query"]
     if not (isinstance(x, Sym) and x is g["key"] and x is g["value"]):
         raise NotNative("attention whose query, key and value are not one tensor")
     if g.get("need_weights", True) or g.get("attn_mask") is not None or g.get("key_padding_mask") is not None:
         raise NotNative("nn.MultiheadAttention with a mask, or returning its weights")
+    lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
+    if not lw.fast:
+        return _eagers_fused_kernel(lw, fn, x), None
     if (fn.training and fn.dropout) or fn.bias_k is not None or fn.add_zero_attn or not fn._qkv_same_embed_dim:
         raise NotNative("nn.MultiheadAttention with dropout, added keys or separate projections")
     if not (is_float32(x) and x.meta.dim() == 3 and fn.head_dim % 32 == 0):
         raise NotNative("nn.MultiheadAttention of a tensor that is not 3-D float32, or heads not a multiple of 32")
-    ops = _Ops(lw, "nn.MultiheadAttention")
     w, bias = lw.param(fn.in_proj_weight, "in_proj_weight"), fn.in_proj_bias
     bias = None if bias is None else lw.param(bias, "in_proj_bias")
-    y = _fused_attention(ops, x, w, bias, lw.weights(fn.out_proj), heads, fn.batch_first)
-    return y, None
+    ops = _Ops(lw, "nn.MultiheadAttention")
+    return _fused_attention(ops, x, w, bias, lw.weights(fn.out_proj), fn.num_heads, fn.batch_first), None
+
+
+def _eagers_fused_kernel(lw: Lowerer, fn: Any, x: Sym) -> Sym:
+    """Exact mode: the module's call where eager runs it otherwise (F.multi_head_attention_forward,
+    whose scaled_dot_product_attention's bits braze does not reproduce). Eager's choice is the
+    module's forward's, made at each call from its attributes (watched by the entry with the
+    module's other attributes) and torch.backends.mha's switch (watched too); the other
+    conditions (grad, autocast, torch-function modes, devices) are ones under which no program
+    runs."""
+    lw.watched.append(torch.backends.mha)
+    why = _why_not_fused(fn, x)
+    if why:
+        raise NotNative(f"exact mode: eager runs nn.MultiheadAttention's other path here ({why})")
+    _foldable(x, "nn.MultiheadAttention")
+    g = {
+        "qkv_weight": lw.param(fn.in_proj_weight, "in_proj_weight"),
+        "qkv_bias": lw.param(fn.in_proj_bias, "in_proj_bias"),
+    }
+    g["proj_weight"], g["proj_bias"] = lw.weights(fn.out_proj)
+    b, t, d = x.meta.shape
+    return _attention(_Ops(lw, "nn.MultiheadAttention"), x, g, b, t, d, fn.num_heads)
+
+
+def _why_not_fused(fn: Any, x: Sym) -> str:
+    """Why nn.MultiheadAttention.forward (torch 2.13) would not call its fused kernel on x as
+    self-attention without masks, or "" where it would."""
+    w, bias = fn.in_proj_weight, fn.in_proj_bias
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha's fast path is off"
+    if x.meta.dim() != 3:
+        return "an input that is not batched"
+    if w is None or bias is None:
+        return "separate projections, or no bias"
+    if not is_float32(x) or w.dtype != torch.float32 or bias.dtype != torch.float32:
+        return "not float32"
+    if fn.training:
+        return "training"
+    if fn.num_heads % 2:
+        return "an odd number of heads"
+    if not fn.batch_first:
+        return "batch_first is False"
+    if fn.bias_k is not None or fn.bias_v is not None or fn.add_zero_attn:
+        return "added keys"
+    return ""
 
 
 class _Ops:
