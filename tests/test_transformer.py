@@ -258,3 +258,14 @@ def test_fast_modes_multihead_attention_sees_its_weights_change():
         assert not torch.allclose(before, after)
         assert braze.check_accuracy(model, x, mode="fast").ok
         torch.testing.assert_close(after, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_exact_modes_multihead_attention_without_dict_versions_keeps_the_modules_call(monkeypatch):
+    """Where CPython's dictionaries carry no version tag, the entry could not see eager's choice
+    change: the module's call stays."""
+    from braze import jit
+
+    monkeypatch.setattr(jit, "dict_version", lambda d: None)
+    model = _SelfAttention(64, 2, True).eval()
+    with torch.no_grad():
+        check_model(model, (torch.randn(2, 9, 64),), externs=2)

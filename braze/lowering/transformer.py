@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import jit
 from .core import Lowerer, NotNative, Sym, is_float32
 
 _ARGS = (
@@ -153,6 +154,8 @@ def _eagers_fused_kernel(lw: Lowerer, fn: Any, x: Sym) -> Sym:
     module's other attributes) and torch.backends.mha's switch (watched too); the other
     conditions (grad, autocast, torch-function modes, devices) are ones under which no program
     runs."""
+    if jit.dict_version(torch.backends.mha.__dict__) is None or jit.dict_version(fn.__dict__) is None:
+        raise NotNative("exact mode: this Python's dictionaries have no version tag to watch eager's choice by")
     lw.watched.append(torch.backends.mha)
     why = _why_not_fused(fn, x)
     if why:
