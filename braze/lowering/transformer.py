@@ -148,12 +148,12 @@ def _multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: A
 
 
 def _eagers_fused_kernel(lw: Lowerer, fn: Any, x: Sym) -> Sym:
-    """Exact mode: the module's call where eager runs it otherwise (F.multi_head_attention_forward,
-    whose scaled_dot_product_attention's bits braze does not reproduce). Eager's choice is the
-    module's forward's, made at each call from its attributes (watched by the entry with the
-    module's other attributes) and torch.backends.mha's switch (watched too); the other
-    conditions (grad, autocast, torch-function modes, devices) are ones under which no program
-    runs."""
+    """Exact mode: the fused kernel's ops where eager's forward would call that kernel; elsewhere
+    the module's call stays (eager then runs F.multi_head_attention_forward, whose
+    scaled_dot_product_attention's bits braze does not reproduce). The forward chooses at each
+    call, from the module's attributes (the entry watches them, as every called layer's) and
+    torch.backends.mha's switch (watched too); its other conditions (grad, autocast,
+    torch-function modes, devices) are ones under which no program runs."""
     if jit.dict_version(torch.backends.mha.__dict__) is None or jit.dict_version(fn.__dict__) is None:
         raise NotNative("exact mode: this Python's dictionaries have no version tag to watch eager's choice by")
     lw.watched.append(torch.backends.mha)
