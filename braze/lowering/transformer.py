@@ -87,7 +87,7 @@ def _foldable(x: Sym, what: str) -> None:
 def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -> Sym:
     dh = d // heads
     if ops.lw.fast and dh % 32 == 0:
-        return _fused_attention(ops, x, g["qkv_weight"], g["qkv_bias"], (g["proj_weight"], g["proj_bias"]), heads, True)
+        return _fused_attention(ops, x, g, heads, batch_first=True)
     qkv = ops.call(F.linear, ops.method("view", x, b * t, d), g["qkv_weight"])  # ATen: mm(x, W^T)
     qkv = ops.method("view", qkv, b, t, 3, heads, dh)
     bias = ops.method("view", g["qkv_bias"], 3, 1, 1, heads, dh)
@@ -106,19 +106,22 @@ def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -
     return ops.method("view", ops.addmm(g["proj_bias"], ctx, g["proj_weight"]), b, t, d)
 
 
-def _fused_attention(ops: _Ops, x: Sym, w: Sym, bias: Any, proj: tuple[Any, Any], heads: int, batch_first: bool) -> Sym:
-    """Fast mode: x [batch, tokens, d] (or [tokens, batch, d]) through the projection w with its
-    bias in the GEMM, fast mode's attention kernel reading the heads in place from its output
-    (the scale on the scores, no [batch heads, tokens, tokens] scores in memory), its output the
-    output projection's input (as it stands where the batch comes first)."""
+def _fused_attention(ops: _Ops, x: Sym, g: dict, heads: int, batch_first: bool) -> Sym:
+    """Fast mode: x [batch, tokens, d] (or [tokens, batch, d]) through the projection (g's
+    qkv_weight) with its bias in the GEMM, fast mode's attention kernel reading the heads in
+    place from its output (the scale on the scores, no [batch heads, tokens, tokens] scores in
+    memory), its output the output projection's input (as it stands where the batch comes
+    first)."""
     a, c, d = x.meta.shape
     dh = d // heads
-    qkv = ops.method("view", ops.call(F.linear, ops.method("reshape", x, a * c, d), w, bias), a, c, 3, heads, dh)
+    qkv = ops.call(F.linear, ops.method("reshape", x, a * c, d), g["qkv_weight"], g["qkv_bias"])
+    qkv = ops.method("view", qkv, a, c, 3, heads, dh)
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)  # to [batch, heads, tokens, dh]
     q, k, v = (ops.method("permute", ops.item(qkv, (slice(None), slice(None), i)), *order) for i in range(3))
     ctx = ops.call(F.scaled_dot_product_attention, q, k, v)
     ctx = ops.method("permute", ctx, *((0, 2, 1, 3) if batch_first else (2, 0, 1, 3)))
-    return ops.method("view", ops.addmm(proj[1], ops.method("reshape", ctx, a * c, d), proj[0]), a, c, d)
+    ctx = ops.addmm(g["proj_bias"], ops.method("reshape", ctx, a * c, d), g["proj_weight"])
+    return ops.method("view", ctx, a, c, d)
 
 
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights")
@@ -141,10 +144,20 @@ def _multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: A
         raise NotNative("nn.MultiheadAttention with dropout, added keys or separate projections")
     if not (is_float32(x) and x.meta.dim() == 3 and fn.head_dim % 32 == 0):
         raise NotNative("nn.MultiheadAttention of a tensor that is not 3-D float32, or heads not a multiple of 32")
-    w, bias = lw.param(fn.in_proj_weight, "in_proj_weight"), fn.in_proj_bias
-    bias = None if bias is None else lw.param(bias, "in_proj_bias")
     ops = _Ops(lw, "nn.MultiheadAttention")
-    return _fused_attention(ops, x, w, bias, lw.weights(fn.out_proj), fn.num_heads, fn.batch_first), None
+    return _fused_attention(ops, x, _projections(lw, fn), fn.num_heads, fn.batch_first), None
+
+
+def _projections(lw: Lowerer, fn: Any) -> dict[str, Any]:
+    """The module's in- and output projections as the program's parameters, named as the fused
+    kernel's arguments (a bias it lacks None)."""
+    w, bias = lw.weights(fn.out_proj)
+    return {
+        "qkv_weight": lw.param(fn.in_proj_weight, "in_proj_weight"),
+        "qkv_bias": None if fn.in_proj_bias is None else lw.param(fn.in_proj_bias, "in_proj_bias"),
+        "proj_weight": w,
+        "proj_bias": bias,
+    }
 
 
 def _eagers_fused_kernel(lw: Lowerer, fn: Any, x: Sym) -> Sym:
@@ -161,13 +174,8 @@ def _eagers_fused_kernel(lw: Lowerer, fn: Any, x: Sym) -> Sym:
     if why:
         raise NotNative(f"exact mode: eager runs nn.MultiheadAttention's other path here ({why})")
     _foldable(x, "nn.MultiheadAttention")
-    g = {
-        "qkv_weight": lw.param(fn.in_proj_weight, "in_proj_weight"),
-        "qkv_bias": lw.param(fn.in_proj_bias, "in_proj_bias"),
-    }
-    g["proj_weight"], g["proj_bias"] = lw.weights(fn.out_proj)
     b, t, d = x.meta.shape
-    return _attention(_Ops(lw, "nn.MultiheadAttention"), x, g, b, t, d, fn.num_heads)
+    return _attention(_Ops(lw, "nn.MultiheadAttention"), x, _projections(lw, fn), b, t, d, fn.num_heads)
 
 
 def _why_not_fused(fn: Any, x: Sym) -> str:
