@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from . import config
-from .ir import Op
+from .ir import Node, Op
 
 if TYPE_CHECKING:
     from .runtime import Program
@@ -45,7 +45,7 @@ def _fusion(prog: Program) -> str:
             epi = " -> ".join(b.op.value for b in n.body)
             bias = "bias + " if n.inputs[2] is not None else ""
             one = " (on one thread)" if n.attrs.get("one_thread") else ""
-            call = "braze's GEMM kernel (MKL's order)" if n.attrs.get("own_kernel") else f"sgemm_{one}"
+            call = _gemm_kernel(n) if n.attrs.get("own_kernel") else f"sgemm_{one}"
             kept = n.attrs.get("own_kernel") and n.attrs.get("pack")
             pack = f" (weight {n.attrs['pack_source']} packed once, checked every call)" if kept else ""
             lines.append(
@@ -59,6 +59,13 @@ def _fusion(prog: Program) -> str:
             batch = n.attrs["blas"]["batch"]
             lines.append(f"  {n.name}: cblas_sgemm_batch {n.inputs[0]} @ {n.inputs[1]}, {batch} matrices")
     return "\n".join(lines) or "  (no native kernels)"
+
+
+def _gemm_kernel(n: Node) -> str:
+    """Which order braze's GEMM kernel follows: fast mode's, on panels packed once, its own."""
+    if n.attrs.get("pack"):
+        return "braze's GEMM kernel"
+    return "braze's GEMM kernel (" + ("oneDNN's" if n.attrs.get("order") else "MKL's") + " order)"
 
 
 def _placement(prog: Program) -> str:
