@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import config, debug
+from . import config, debug, guardmemo
 from .api import BrazeWarning, CompiledFunction
 from .capture import from_graph_module
 
@@ -267,8 +267,11 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             return sub
 
         own = _own_frame(wrapper.fn)
-        compiled = torch.compile(own, backend=backend, dynamic=wrapper.dynamic)
-        guarded = _guarded_code(own)
+        recorder = guardmemo.Recorder()  # (keeps every guard: TorchDynamo's own checks unchanged)
+        options = {"guard_filter_fn": recorder}
+        compiled = torch.compile(own, backend=backend, dynamic=wrapper.dynamic, options=options)
+        guarded = _guarded_code(own, recorder)
+        from torch._dynamo import config as dynamo_config
     except Exception as e:  # dynamo unavailable on this platform/Python
         wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
         return None
@@ -282,7 +285,10 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             code = guarded(args, kwargs)
             if code is not None:
                 return code(*args, **kwargs)
-            return compiled(*args, **kwargs)
+            # A hook added to a layer after compiling is eager's to run: TorchDynamo then guards
+            # the layers' hook tables (by default it does not, and such a hook was left out)
+            with dynamo_config.patch(skip_nnmodule_hook_guards=False):
+                return compiled(*args, **kwargs)
         except Exception:
             # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
             # failing where eager works must not break the user (it runs eagerly from then on).
@@ -291,10 +297,13 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             wrapper._dynamo = wrapper.fn
             return out
 
+    call.memo = guarded.memo  # type: ignore[attr-defined]  # (for tests)
     return call
 
 
-def _guarded_code(own: Callable[..., Any]) -> Callable[[tuple, dict], Callable[..., Any] | None]:
+def _guarded_code(
+    own: Callable[..., Any], recorder: guardmemo.Recorder
+) -> Callable[[tuple, dict], Callable[..., Any] | None]:
     """code_for(args, kwargs): the code TorchDynamo compiled for that call of `own`, as a
     function: its first cache entry whose guards pass (TorchDynamo's own C++ guards, given the
     frame's locals), as its frame evaluation would pick it; None where none passes (TorchDynamo
@@ -320,20 +329,68 @@ def _guarded_code(own: Callable[..., Any]) -> Callable[[tuple, dict], Callable[.
             known = functions[id(code)] = (code, fn)
         return known[1]
 
+    memo = _GuardMemo(own, recorder, free)
+
     def code_for(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
         if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
             return None
+        entries = _debug_get_cache_entry_list(own.__code__)
+        witness = memo.witness if config.guard_memo else None
+        state = witness is not None and entries and witness.entry is entries[0].guard_manager and witness.state_holds()
+        if state and witness.arguments_hold(args, kwargs):
+            if config.debug:  # (the witness's claim, checked)
+                assert entries[0].guard_manager.check({"args": args, "kwargs": kwargs, **free}), "stale guard memo"
+            memo.hits += 1
+            return function(entries[0].code)
         frame = {"args": args, "kwargs": kwargs, **free}
-        for entry in _debug_get_cache_entry_list(own.__code__):
+        for i, entry in enumerate(entries):
             try:
                 passed = entry.guard_manager.check(frame)
             except Exception:  # a guard that cannot be evaluated (an attribute gone): TorchDynamo decides
                 return None
             if passed:
-                return function(entry.code)
+                fn = function(entry.code)
+                if i == 0 and fn is not None and config.guard_memo:
+                    memo.passed(entry, args, kwargs, witness if state else None)
+                return fn
         return None
 
+    code_for.memo = memo  # type: ignore[attr-defined]
     return code_for
+
+
+class _GuardMemo:
+    """The witness (guardmemo.py) of the newest compiled code's guards, made when they pass:
+    the next calls that find it holding skip TorchDynamo's check. Made again where the state
+    changed (at most MAX_RECORDS times a cache entry: then its guards run every call), and only
+    its arguments' part where only they did."""
+
+    MAX_RECORDS = 4
+
+    def __init__(self, own: Callable[..., Any], recorder: guardmemo.Recorder, free: dict) -> None:
+        self.own, self.recorder, self.free = own, recorder, free
+        self.witness: guardmemo.Witness | None = None
+        self.records: dict[int, int] = {}  # by id(guard manager): witnesses made
+        self.why: str = ""  # why the last entry has none
+        self.hits = 0  # calls that skipped the guards
+
+    def passed(self, entry: Any, args: tuple, kwargs: dict, witness: guardmemo.Witness | None) -> None:
+        try:
+            if witness is None:
+                made = self.records.get(id(entry.guard_manager), 0)
+                guards = self.recorder.guards.get(entry.compile_id)
+                if made >= self.MAX_RECORDS or guards is None:
+                    self.witness = None
+                    return
+                self.records[id(entry.guard_manager)] = made + 1
+                witness = guardmemo.record(entry.guard_manager, guards, self.free["fn"], self.own.__globals__)
+            witness.arguments = guardmemo.Arguments.of(args, kwargs, witness.tensors)
+            self.witness = witness
+        except Exception as e:  # (guardmemo.Unsupported, or its own failure: the guards run, as before)
+            self.witness, self.why = None, str(e)
+            self.records[id(entry.guard_manager)] = self.MAX_RECORDS
+            if config.debug and not isinstance(e, guardmemo.Unsupported):
+                raise
 
 
 def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:

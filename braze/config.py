@@ -43,6 +43,9 @@ one_thread_gemm_flops: int = _env_int("BRAZE_ONE_THREAD_GEMM_FLOPS", 1 << 19)
 # GEMMs of a weight (linear's [N, K], GPT-2's Conv1D [K, N]) run braze's own kernel in MKL's order
 # of operations (gemmkernel.py) where its probe gives eager's bits; 0: always MKL's sgemm_.
 own_gemm: bool = bool(_env_int("BRAZE_OWN_GEMM", 1))
+# A model captured through TorchDynamo skips its guards on calls where a witness of what they
+# read shows nothing changed (guardmemo.py); 0: TorchDynamo's guards run on every call.
+guard_memo: bool = bool(_env_int("BRAZE_GUARD_MEMO", 1))
 # A program whose kept scratch buffers take at least this many bytes gets them on 2 MB pages
 # (transparent huge pages, asked for with madvise). On 4 KB pages, the thread with the upper half
 # of a GEMM's rows ran 10-20% longer (a Linear 128 -> 512 + GELU + Linear on 256 rows: 472 us a
@@ -80,6 +83,7 @@ _KNOBS = (
     "release_gil_flops",
     "one_thread_gemm_flops",
     "own_gemm",
+    "guard_memo",
     "huge_scratch",
     "disable_native",
     "blas_clock",
