@@ -30,7 +30,7 @@ import torch
 from . import capture, config, debug, entry, signatures
 from .dims import Undecided
 from .lowering import Unsupported, lower
-from .lowering.core import hook_tables
+from .lowering.core import hook_tables, hooked
 from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
 from .passes import run_passes
 from .runtime import ATTRIBUTE_CHANGED, Guard, Program
@@ -257,6 +257,9 @@ class CompiledFunction:
         self._params: list[torch.nn.Parameter] = []
         self._find_state()
         self._subgraphs: list[CompiledFunction] = []  # TorchDynamo's graphs, when FX could not trace
+        # Forward hooks on the model itself (its own, global ones) are eager's to run: the program
+        # is its forward's. False for a TorchDynamo graph (it traced the hooks it runs).
+        self._runs_hooks = True
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -306,6 +309,8 @@ class CompiledFunction:
         unusual = signatures.unusual_state()
         if unusual:
             return self._eager(f"{unusual} is active; native code would bypass it", args, {})
+        if self._runs_hooks and self._module is not None and hooked(self._module):  # (the trace is of forward)
+            return self._eager("forward hooks run on the model itself", args, {})
         if self._epoch != self.epoch[0]:  # before the signature: it holds the modules' flags
             self._reset()
             self._why = "the model's submodules were replaced"

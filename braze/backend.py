@@ -179,6 +179,7 @@ def braze_backend(
     if options:
         raise ValueError(f"braze: unknown options {sorted(options)} (only 'mode')")
     wrapper = CompiledFunction(gm, mode=mode)
+    wrapper._runs_hooks = False
     wrapper.use_capture(from_graph_module(gm))
     wrapper.symbolic = symbolic_places(gm)
     return wrapper

@@ -891,20 +891,48 @@ def test_forward_hooks_run_as_eager_runs_them(when, kind):
             return model[2].register_forward_pre_hook(lambda m, i: (i[0] + 1,))
         return torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o if m is not model[2] else o - 1)
 
+    # A global hook runs on the model itself too: the model then runs eagerly (its forward is
+    # what braze compiled), natively again once the hook is removed.
+    eager = kind == "global"
     handle = add() if when == "before" else None
     try:
-        compiled = check_model(model, (x,))
+        compiled = check_model(model, (x,), fallback=eager)
         if when == "after":
             handle = add()
             for _ in range(2):
-                check_model(model, (x,), compiled=compiled)
-            assert compiled.compilations[-1].why == "a forward hook was added or removed"
+                check_model(model, (x,), compiled=compiled, fallback=eager)
+            if not eager:
+                assert compiled.compilations[-1].why == "a forward hook was added or removed"
         handle.remove()
         for _ in range(2):
             check_model(model, (x,), compiled=compiled)
+        assert compiled.programs(), "native once no hook runs on the model"
     finally:
         if handle is not None:
             handle.remove()
+
+
+@pytest.mark.parametrize("kind", ["forward", "pre", "global"])
+def test_hooks_on_the_model_itself_run_as_eager_runs_them(kind):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(3, 8)
+    compiled = check_model(model, (x,))
+    if kind == "forward":
+        handle = model.register_forward_hook(lambda m, i, o: o + 1)
+    elif kind == "pre":
+        handle = model.register_forward_pre_hook(lambda m, i: (i[0] * 2,))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o + 1)
+    try:
+        with pytest.warns(braze.BrazeWarning, match="forward hooks run on the model itself"):
+            check_model(model, (x,), compiled=compiled, fallback=True)
+        check_model(model, (x,), compiled=compiled, fallback=True)
+    finally:
+        handle.remove()
+    slow = compiled._slow_calls
+    for _ in range(2):
+        check_model(model, (x,), compiled=compiled)
+    assert compiled._slow_calls - slow <= 1, "the native entry again once the hook is gone"
 
 
 class _Scaled(nn.Module):
