@@ -169,6 +169,23 @@ def test_keyword_calls_of_a_kwargs_forward_are_compiled_by_dynamo():
     assert compiled.programs(), "TorchDynamo's graphs are compiled by braze"
 
 
+class UnusedKwargs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):
+        return torch.relu(self.fc(x))
+
+
+def test_a_kwargs_forward_fx_traces_is_compiled_by_fx_for_positional_calls():
+    # torch.fx traces it (**kwargs unused): a call without keywords binds it to {} (it ran
+    # eagerly: "missing argument '**kwargs'")
+    model = UnusedKwargs().eval()
+    compiled = check_model(model, (torch.randn(4, 8),))
+    assert compiled.programs() and compiled._dynamo is None
+
+
 class ScaledKwargs(torch.nn.Module):
     """A **kwargs forward (TorchDynamo captures it) reading a Python attribute and a config dict,
     as Hugging Face's models read their config."""

@@ -247,6 +247,8 @@ class Lowerer:
                     self.env[node] = self._placeholder(node, placeholders, example_args[placeholders])
                 elif node.args:  # a parameter the call left at its default
                     self.env[node] = node.args[0]
+                elif str(node.target).startswith("**"):  # **kwargs of a call without keywords
+                    self.env[node] = {}  # (a call with keywords goes to TorchDynamo: api._miss)
                 else:
                     raise TypeError(f"missing argument {node.target!r}")
                 placeholders += 1
