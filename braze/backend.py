@@ -267,12 +267,13 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
                 graphs[key] = sub
             return sub
 
+        from torch._dynamo import config as dynamo_config
+
         own = _own_frame(wrapper.fn)
         recorder = guardmemo.Recorder()  # (keeps every guard: TorchDynamo's own checks unchanged)
         options = {"guard_filter_fn": recorder}
         compiled = torch.compile(own, backend=backend, dynamic=wrapper.dynamic, options=options)
         guarded = _guarded_code(own, recorder)
-        from torch._dynamo import config as dynamo_config
     except Exception as e:  # dynamo unavailable on this platform/Python
         wrapper._say(f"{why}; TorchDynamo is unavailable too ({e})")
         return None
