@@ -338,8 +338,13 @@ def _guarded_code(
             return None
         entries = _debug_get_cache_entry_list(own.__code__)
         witness = memo.witness if config.guard_memo else None
-        state = witness is not None and entries and witness.entry is entries[0].guard_manager and witness.state_holds()
-        if state and witness.arguments_hold(args, kwargs):
+        try:  # (a witness that cannot be checked holds nothing)
+            newest = entries and witness is not None and witness.entry is entries[0].guard_manager
+            state = bool(newest) and witness.state_holds()
+            holds = state and witness.arguments_hold(args, kwargs)
+        except Exception:
+            state = holds = False
+        if holds:
             if config.debug:  # (the witness's claim, checked)
                 assert entries[0].guard_manager.check({"args": args, "kwargs": kwargs, **free}), "stale guard memo"
             memo.hits += 1

@@ -532,7 +532,7 @@ def _find_offsets() -> dict[str, int] | None:
         return None
     for name in ("__code__", "__defaults__", "__kwdefaults__"):
         target = id(getattr(sample, name))
-        hits = [k for k in range(16, 160, 8) if word(sample, k) == target]
+        hits = [k for k in range(16, types.FunctionType.__basicsize__ - 7, 8) if word(sample, k) == target]
         if len(hits) != 1:
             return None
         offsets[name] = hits[0]
