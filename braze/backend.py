@@ -391,7 +391,7 @@ class _GuardMemo:
                     return
                 self.records[id(entry.guard_manager)] = made + 1
                 witness = guardmemo.record(entry.guard_manager, guards, self.free["fn"], self.own.__globals__)
-            witness.arguments = guardmemo.Arguments.of(args, kwargs, witness.tensors)
+            witness.arguments = guardmemo.Arguments.of(args, kwargs, witness.tensor_ids)
             self.witness = witness
         except Exception as e:  # (guardmemo.Unsupported, or its own failure: the guards run, as before)
             self.witness, self.why = None, str(e)

@@ -97,6 +97,7 @@ class Witness:
     keep: list[Any]  # whatever the words' addresses and values belong to, kept alive
     calls: list[tuple[Any, ...]]
     tensors: tuple[torch.Tensor, ...]  # guarded tensors not among the arguments (parameters...)
+    tensor_ids: dict[int, int]  # id of each of them -> -1 - its index (first), for Arguments
     tensor_guard: Any
     state: Any  # GlobalStateGuard
     extra: tuple
@@ -112,7 +113,7 @@ class Witness:
 
     def arguments_hold(self, args: tuple, kwargs: dict) -> bool:
         part = self.arguments  # (one read: another thread may replace it)
-        return part is not None and part.hold(args, kwargs, self.tensors)
+        return part is not None and part.hold(args, kwargs, self.tensor_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Arguments:
     guard: Any
 
     @staticmethod
-    def of(args: tuple, kwargs: dict, guarded: tuple[torch.Tensor, ...]) -> Arguments:
+    def of(args: tuple, kwargs: dict, guarded: dict[int, int]) -> Arguments:
         values, tensors = [], []
         for v in (*args, *kwargs.values()):
             if isinstance(v, torch.Tensor):
@@ -140,7 +141,7 @@ class Arguments:
         aliases = _aliases(tensors, guarded)
         return Arguments(len(args), tuple(kwargs), tuple(values), aliases, _tensor_guard(tensors))
 
-    def hold(self, args: tuple, kwargs: dict, guarded: tuple[torch.Tensor, ...]) -> bool:
+    def hold(self, args: tuple, kwargs: dict, guarded: dict[int, int]) -> bool:
         if len(args) != self.n_args or tuple(kwargs) != self.kw_names:
             return False
         tensors = []
@@ -173,6 +174,7 @@ def record(entry: Any, guards: list[tuple[str, Any, dict]], fn: Any, scope: dict
         keep=b.keep,
         calls=list(b.calls.values()),
         tensors=tensors,
+        tensor_ids={id(t): -1 - i for i, t in reversed(list(enumerate(tensors)))},
         tensor_guard=_tensor_guard(list(tensors)),
         state=torch._C._dynamo.guards.GlobalStateGuard(),
         extra=_extra_state(),
@@ -260,12 +262,20 @@ class _Builder:
             return False
         if hook is not torch.nn.Module.__getattr__:
             return None
-        tables = (own.get("_parameters"), own.get("_buffers"), own.get("_modules"))
-        if not all(type(t) is dict for t in tables):
+        try:
+            return self.module_lookup(own, name) is not _MISSING
+        except Unsupported:
             return None
+
+    def module_lookup(self, own: dict, name: str) -> Any:
+        """nn.Module.__getattr__'s lookup of `name` in the parameters, buffers and submodules of
+        the module whose __dict__ is `own`, noting their versions; _MISSING where none has it."""
+        tables = [own.get(table) for table in ("_parameters", "_buffers", "_modules")]
+        if not all(type(t) is dict for t in tables):
+            raise Unsupported("a module whose parameter, buffer or submodule table is not a dict")
         for table in tables:
             self.version(table)
-        return any(name in table for table in tables)
+        return next((table[name] for table in tables if name in table), _MISSING)
 
     # --- the words ---------------------------------------------------------------------------
     def word(self, owner: Any, address: int, value: int, *held: Any) -> None:
@@ -408,11 +418,10 @@ class _Builder:
                 self.call("getattr", obj, name, value)
                 return value
             return found
-        if _class_attribute(cls, "__getattr__") is torch.nn.Module.__getattr__:  # parameters, buffers, modules
-            for table in (obj._parameters, obj._buffers, obj._modules):
-                self.version(table)
-                if name in table:
-                    return table[name]
+        if type(own) is dict and _class_attribute(cls, "__getattr__") is torch.nn.Module.__getattr__:
+            value = self.module_lookup(own, name)
+            if value is not _MISSING:
+                return value
         raise Unsupported(f"attribute {name} of a {cls.__name__}")
 
 
@@ -492,13 +501,12 @@ def _tensor_guard(tensors: list[torch.Tensor]) -> Any:
     return torch._C._dynamo.guards.TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
 
 
-def _aliases(tensors: list[torch.Tensor], guarded: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
-    """Per tensor, the index of the first of them it is, or -1 - the index of the guarded tensor
-    it is (TorchDynamo guards that no two sources are one tensor, or that two are)."""
+def _aliases(tensors: list[torch.Tensor], guarded: dict[int, int]) -> tuple[int, ...]:
+    """Per tensor, -1 - the index of the guarded tensor it is (Witness.tensor_ids), or else the
+    index of the first of them it is (TorchDynamo guards that no two sources are one tensor, or
+    that two are)."""
     first: dict[int, int] = {}
-    for i, t in enumerate(guarded):
-        first.setdefault(id(t), -1 - i)
-    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+    return tuple(guarded.get(id(t), first.setdefault(id(t), i)) for i, t in enumerate(tensors))
 
 
 def _extra_state() -> tuple:
