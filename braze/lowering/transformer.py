@@ -67,14 +67,20 @@ def _native_multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict,
     """torch._native_multi_head_attention (nn.MultiheadAttention's fast path, as a TorchDynamo
     graph holds it): the fused layer's attention, the same ATen kernel (native_multi_head_attention_cpu)."""
     g = dict(zip(_NATIVE_MHA_ARGS, args)) | kwargs
-    x = g["query"]
-    if not (isinstance(x, Sym) and x is g["key"] and x is g["value"]):
-        raise NotNative("attention whose query, key and value are not one tensor")
+    x = _self_attention(g)
     if g.get("mask") is not None or g.get("need_weights", True):
         raise NotNative("the fused attention with a mask, or returning its weights")
     _foldable(x, "the fused attention")
     b, t, d = x.meta.shape
     return _attention(_Ops(lw, "torch._native_multi_head_attention"), x, g, b, t, d, g["num_head"]), None
+
+
+def _self_attention(g: dict) -> Sym:
+    """The one tensor an attention's query, key and value are (the lowerings take self-attention)."""
+    x = g["query"]
+    if not (isinstance(x, Sym) and x is g["key"] and x is g["value"]):
+        raise NotNative("attention whose query, key and value are not one tensor")
+    return x
 
 
 def _foldable(x: Sym, what: str) -> None:
@@ -132,9 +138,7 @@ def _multihead_attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: A
     eager takes the module's fused kernel (torch._native_multi_head_attention), that kernel's ops
     (_attention); fast mode: heads of a multiple of 32, _fused_attention."""
     g = dict(zip(_MHA_ARGS, args)) | kwargs
-    x = g["query"]
-    if not (isinstance(x, Sym) and x is g["key"] and x is g["value"]):
-        raise NotNative("attention whose query, key and value are not one tensor")
+    x = _self_attention(g)
     if g.get("need_weights", True) or g.get("attn_mask") is not None or g.get("key_padding_mask") is not None:
         raise NotNative("nn.MultiheadAttention with a mask, or returning its weights")
     lw.reads_training.append(fn)  # the program is for this flag: the entry checks it
