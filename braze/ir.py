@@ -37,6 +37,7 @@ class Op(enum.Enum):
     # float32 input here; checked by a probe when lowering): a polynomial per quarter binade
     GELU_ERF = "gelu_erf"
     TANH = "tanh"  # MKL's vmsTanh as its generic kernel computes it (vml.py)
+    FAST_TANH = "fast_tanh"  # fast mode's tanh: within 1.1 ulp (codegen/fastmath.py)
     RELU = "relu"
     LEAKY_RELU = "leaky_relu"  # attrs: slope
     CLAMP = "clamp"  # attrs: lo, hi (either may be None)
@@ -90,7 +91,9 @@ class Op(enum.Enum):
     EXTERN = "extern"  # a torch call made unchanged; attrs: fn, args, kwargs, why
 
 
-UNARY = frozenset({Op.NEG, Op.ABS, Op.RSQRT, Op.GELU_ERF, Op.TANH, Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY})
+UNARY = frozenset(
+    {Op.NEG, Op.ABS, Op.RSQRT, Op.GELU_ERF, Op.TANH, Op.FAST_TANH} | {Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY}
+)
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 ELEMENTWISE = UNARY | BINARY | COMPARE | {Op.WHERE, Op.FMA}

@@ -293,6 +293,10 @@ def _scalar_op(
         return gelu_erf(b, x[0])
     if op is Op.TANH:
         return mkl_tanh(b, x[0])
+    if op is Op.FAST_TANH:
+        from .fastmath import fast_tanh  # (it builds on this module's helpers)
+
+        return fast_tanh(b, x[0])
     if op is Op.RSQRT:  # ATen's rsqrt: an IEEE square root, then an IEEE division (no fast-math)
         return b.fdiv(const(1.0), _intrinsic(b, "sqrt", x[0]))
     if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0

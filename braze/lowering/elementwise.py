@@ -283,11 +283,14 @@ def _vml(name: str) -> Callable[..., Sym]:
     ATen's mode, the function ATen's float32 kernel calls here (on contiguous runs, or on copies
     of strided ones: its results depend on no position, alignment or thread count), where a
     probe shows ATen gives its bits. tanh is an elementwise op (Op.TANH, vml.py's arithmetic)
-    where a probe shows braze reproduces MKL's kernel here."""
+    where a probe shows braze reproduces MKL's kernel here. Fast mode's tanh is its own
+    (Op.FAST_TANH: codegen/fastmath.py), an elementwise op on any layout."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         no_out(kwargs)
         x = args[0]
+        if lw.fast and name == "tanh" and is_float32(x):
+            return lw.elementwise(Op.FAST_TANH, (x,), out)
         if not is_float32(x):
             raise NotNative(f"{name} of a tensor that is not float32")
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() >= 2**31:
