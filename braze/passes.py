@@ -70,6 +70,37 @@ def dce(graph: Graph) -> Graph:
     return dataclasses.replace(graph, nodes=tuple(reversed(kept)))
 
 
+# Besides the elementwise ops, those whose result follows from their operands and attributes
+# alone (each computes it in the same order at every call)
+_REPEATABLE = frozenset({Op.VIEW, Op.VML, Op.ACTIVATION, Op.LAYER_NORM, Op.SOFTMAX, Op.SUM})
+
+
+def cse(graph: Graph) -> Graph:
+    """Make each value of a pure op once: a node that repeats an earlier one (the same op,
+    operands, attributes and layout) reads that one's value instead (T5 copied its position bias
+    into the attention's layout again in every layer). Not across an ATen call that changes a
+    value in place (the two could read different contents), not for a graph output (eager
+    returns distinct tensors, which the caller may change apart), nor for a value an ATen call
+    reads (its arguments name their values in its attrs)."""
+    across, outputs, users = _changes_between(graph), set(graph.outputs), graph.users()
+    seen: dict[tuple, str] = {}
+    same: dict[str, str] = {}  # a repeat -> the node it repeats
+    nodes = []
+    for n in graph.nodes:
+        if any(i in same for i in n.value_inputs()):
+            n = dataclasses.replace(n, inputs=tuple(same.get(i, i) if isinstance(i, str) else i for i in n.inputs))
+        if n.op in ELEMENTWISE or n.op in _REPEATABLE:
+            key = (n.op, n.inputs, n.meta, repr(sorted(n.attrs.items())))
+            first = seen.get(key)
+            free = n.name not in outputs and all(u.op is not Op.EXTERN for u in users[n.name])
+            if first is not None and free and not across(first, n.name):
+                same[n.name] = first
+                continue
+            seen[key] = n.name
+        nodes.append(n)
+    return dataclasses.replace(graph, nodes=tuple(nodes)) if same else graph
+
+
 def _fusable_into(p: Node, n: Node, users: dict[str, list[Node]], outputs: set[str]) -> bool:
     only_n = all(u is n for u in users[p.name])
     return p.op in ELEMENTWISE and only_n and p.name not in outputs and p.meta.shape == n.meta.shape
@@ -312,4 +343,4 @@ def _memoizable(graph: Graph, owner: dict[str, str], barred: set[str]) -> set[st
     return memo
 
 
-PIPELINE: tuple[Pass, ...] = (dce, memoize, fuse_elementwise, fuse_epilogue, plan_memory)
+PIPELINE: tuple[Pass, ...] = (dce, cse, memoize, fuse_elementwise, fuse_epilogue, plan_memory)

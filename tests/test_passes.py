@@ -10,7 +10,9 @@ import braze
 from braze import capture
 from braze.ir import Op
 from braze.lowering import lower
-from braze.passes import PIPELINE, dce, fuse_elementwise, fuse_epilogue, plan_memory, run_passes
+from braze.passes import PIPELINE, cse, dce, fuse_elementwise, fuse_epilogue, plan_memory, run_passes
+
+from .helpers import check_model
 
 
 def lowered(fn, *inputs):
@@ -57,6 +59,44 @@ def test_dce_drops_dead_tensor_factories_of_constants_only():
         compiled(x)
     (prog,) = compiled.programs()
     assert prog.family is not None and [label for label, _ in prog.externs] == ["torch.rand", "torch.zeros"]
+
+
+def test_cse_makes_a_repeated_value_once():
+    # T5 copies one view of its position bias into the attention's layout in every layer
+    def f(x):
+        bias = x.t()
+        return bias.contiguous() * 2 + bias.contiguous() * 3, torch.tanh(x) - torch.tanh(x)
+
+    g = cse(dce(lowered(f, torch.randn(8, 16)).graph))
+    assert g.count(Op.COPY) == 1 and g.count(Op.VIEW) == 1
+    assert sum(g.count(op) for op in (Op.TANH, Op.VML, Op.EXTERN)) == 1  # (vmsTanh where MKL's kernel is not braze's)
+    x = torch.randn(8, 16)
+    compiled = check_model(f, (x,), externs=0)
+    assert compiled.programs()[0].graph.count(Op.FUSED) == 3  # the copy, and each output's loop
+    # A repeat an ATen call reads stays (the call's arguments name it)
+    check_model(lambda x: x.t().contiguous() * 2 + torch.cumsum(x.t().contiguous(), 0), (x,), externs=1)
+
+
+def test_cse_keeps_outputs_apart_and_reads_across_a_change_in_place():
+    def outputs(x):
+        return x * 2, x * 2  # eager's are two tensors: the caller may change one
+
+    g = cse(lowered(outputs, torch.randn(4)).graph)
+    assert g.count(Op.MUL) == 2
+    compiled = braze.compile(outputs)
+    a, b = compiled(torch.ones(4))
+    a.add_(1)
+    assert torch.equal(b, torch.full((4,), 2.0))
+
+    def changed(x):
+        y = x + 1
+        first = y * 2
+        y.cumsum_(0)  # an ATen call between the two products changes what they read
+        return first, y * 2 + 0
+
+    g = cse(dce(lowered(changed, torch.randn(4)).graph))
+    assert g.count(Op.MUL) == 2
+    check_model(changed, (torch.randn(4),), fallback=True)
 
 
 def test_chain_fuses_into_one_loop_but_shared_values_do_not():
