@@ -38,6 +38,9 @@ class Op(enum.Enum):
     GELU_ERF = "gelu_erf"
     TANH = "tanh"  # MKL's vmsTanh as its generic kernel computes it (vml.py)
     FAST_TANH = "fast_tanh"  # fast mode's tanh: within 1.1 ulp (codegen/fastmath.py)
+    # Fast mode's sigmoid, silu, gelu_tanh (attrs fn): per element as ATen's Sleef-based kernel
+    # computes its vector body (or, on one element, its scalar tail), but not in ATen's loop
+    SLEEF = "sleef"
     RELU = "relu"
     LEAKY_RELU = "leaky_relu"  # attrs: slope
     CLAMP = "clamp"  # attrs: lo, hi (either may be None)
@@ -92,7 +95,8 @@ class Op(enum.Enum):
 
 
 UNARY = frozenset(
-    {Op.NEG, Op.ABS, Op.RSQRT, Op.GELU_ERF, Op.TANH, Op.FAST_TANH} | {Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY}
+    {Op.NEG, Op.ABS, Op.RSQRT, Op.GELU_ERF, Op.TANH, Op.FAST_TANH, Op.SLEEF}
+    | {Op.RELU, Op.LEAKY_RELU, Op.CLAMP, Op.COPY}
 )
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})

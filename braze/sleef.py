@@ -28,7 +28,7 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I64, PTR, VOID, counted_loop, declared, fma, split_between_threads
+from .codegen import F32, I64, PTR, VOID, counted_loop, declared, fma, per_width, split_between_threads
 
 LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
 STEP = 2 * LANES  # vectorized_loop handles two vectors a step
@@ -69,6 +69,26 @@ def _formula(fn: str, b: ll.IRBuilder, x: ll.Value, f: ll.Function) -> ll.Value:
         return b.fmul(b.fmul(const(0.5), x), b.fadd(one, t))
     e = b.call(f, [b.fneg(x)])
     return b.fdiv(x, b.fadd(one, e))
+
+
+def element(b: ll.IRBuilder, x: ll.Value, fn: str) -> ll.Value:
+    """fn of x (one float or a vector) per element, through per_width: on a vector the
+    arithmetic of ATen's vector body (Sleef's 16 lanes; a narrower vector widened and narrowed
+    again), on one float its scalar tail's (glibc's). Fast mode's activation (Op.SLEEF): a lane
+    depends on no other, so loops fuse it anywhere, at eager's own error (not in ATen's loop, so
+    not eager's bits at the tails)."""
+    return per_width(b, x, f"braze_sleef_{fn}", lambda body, v: _element(body, v, fn))
+
+
+def _element(b: ll.IRBuilder, x: ll.Value, fn: str) -> ll.Value:
+    vector, tail = FUNCTIONS[fn]
+    if not isinstance(x.type, ll.VectorType):
+        return _formula(fn, b, x, declared(b.module, tail, F32, [F32]))
+    width = x.type.count
+    lanes = lambda n, k: ll.Constant(ll.VectorType(ll.IntType(32), n), [i % k for i in range(n)])  # noqa: E731
+    wide = x if width == LANES else b.shuffle_vector(x, x, lanes(LANES, width))
+    y = _formula(fn, b, wide, declared(b.module, vector, V16, [V16]))
+    return y if width == LANES else b.shuffle_vector(y, y, lanes(width, width))
 
 
 def _erf(b: ll.IRBuilder, v: ll.Value, exp: ll.Function, const: Callable[[float], ll.Value]) -> ll.Value:

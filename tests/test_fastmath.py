@@ -1,16 +1,20 @@
-"""Fast mode's tanh (codegen/fastmath.py): within 1.1 ulp of tanh in float64 on millions of values,
-special values as eager's, fused with its neighbours in fast mode's programs (GPT-2's GELU) within
-the accuracy contract; exact mode keeps ATen's tanh."""
+"""Fast mode's elementwise functions. Its tanh (codegen/fastmath.py): within 1.1 ulp of tanh in
+float64 on millions of values, special values as eager's, fused with its neighbours (GPT-2's GELU)
+within the accuracy contract. Its sigmoid, silu and tanh GELU (Op.SLEEF: ATen's per-element
+arithmetic, not in ATen's loop): fused too (Llama's gated MLP), at eager's own error. Exact mode
+keeps ATen's kernels."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
 import torch
 
 import braze
+from braze import sleef
 from braze.accuracy import measure
 from braze.codegen import run_elementwise
 from braze.codegen.fastmath import TANH_ONE, TANH_SMALL, _quarter, fast_tanh
@@ -106,3 +110,67 @@ def test_exact_mode_keeps_atens_tanh():
     x = torch.randn(17, 64)
     assert torch.equal(compiled(x), compiled.fn(x))
     assert Op.FAST_TANH not in _ops(compiled)
+
+
+_ACTIVATIONS = {
+    "sigmoid": torch.sigmoid,
+    "silu": nn.functional.silu,
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+@pytest.mark.skipif(sleef.other_capability() is not None, reason="ATen's kernels are not the AVX512 build's here")
+@pytest.mark.parametrize("fn", sorted(_ACTIVATIONS))
+@pytest.mark.parametrize("n", [1, 2])
+@torch.no_grad()
+def test_fast_activations_fuse_at_eagers_error(fn, n, threads):
+    threads(n)
+    act = _ACTIVATIONS[fn]
+    compiled = braze.compile(lambda x, y: act(x) * y, mode="fast")
+    for length in (1, 7, 15, 16, 17, 33, 257, 32769):
+        x, y = special(length) * 4, torch.randn(length)
+        out, want = compiled(x, y), act(x) * y
+        assert torch.equal(out.isnan(), want.isnan())
+        finite = ~want.isnan()
+        # each element either ATen's vector body's arithmetic or its tail's: within 2 ulp of eager's
+        assert torch.allclose(out[finite], want[finite], rtol=2.5e-7, atol=1e-37)
+    assert Op.SLEEF in _ops(compiled) and Op.ACTIVATION not in _ops(compiled)
+    assert all(p.kernel_count == 1 for p in compiled.programs())  # one loop: the activation and the product
+    x = special(4099) * 4
+    for wide in (True, False):  # 16 lanes, then 8 (a narrow loop's), then one
+        got = run_elementwise(f"test_sleef_{fn}_{int(wide)}", functools.partial(sleef.element, fn=fn), x, wide=wide)
+        assert torch.equal(got.isnan(), act(x).isnan())
+        assert torch.allclose(got[~got.isnan()], act(x)[~got.isnan()], rtol=2.5e-7, atol=1e-37)
+
+
+@pytest.mark.skipif(sleef.other_capability() is not None, reason="ATen's kernels are not the AVX512 build's here")
+@torch.no_grad()
+def test_llamas_gated_mlp_is_one_epilogue_in_fast_mode_within_the_contract():
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up = nn.Linear(64, 160, bias=False), nn.Linear(64, 160, bias=False)
+            self.down = nn.Linear(160, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    model = Gated().eval()
+    double = copy.deepcopy(model).double()
+    compiled = braze.compile(model, mode="fast")
+    for scale in (1e-3, 1.0, 1e3):
+        for shape in ((1, 64), (33, 64), (2, 17, 64)):
+            x = torch.randn(shape) * scale
+            assert measure(compiled(x), model(x), double(x.double())).ok
+    for x in (special(33, 128)[:, ::2], special(0, 64)):  # strided, empty
+        assert measure(compiled(x), model(x), double(x.double())).ok
+    assert Op.SLEEF in _ops(compiled) and Op.ACTIVATION not in _ops(compiled)
+
+
+@torch.no_grad()
+def test_exact_mode_keeps_atens_activation_loop():
+    x = torch.randn(4, 257)
+    compiled = braze.compile(lambda t: nn.functional.silu(t) * 2)
+    assert torch.equal(compiled(x), nn.functional.silu(x) * 2)
+    assert Op.SLEEF not in _ops(compiled)

@@ -297,6 +297,10 @@ def _scalar_op(
         from .fastmath import fast_tanh  # (it builds on this module's helpers)
 
         return fast_tanh(b, x[0])
+    if op is Op.SLEEF:
+        from .. import sleef  # (it builds on this module's helpers)
+
+        return sleef.element(b, x[0], n.attrs["fn"])
     if op is Op.RSQRT:  # ATen's rsqrt: an IEEE square root, then an IEEE division (no fast-math)
         return b.fdiv(const(1.0), _intrinsic(b, "sqrt", x[0]))
     if op is Op.RELU:  # clamp_min(x, 0): max_ps(0, x) keeps x when x is NaN or -0.0

@@ -243,9 +243,14 @@ def _one_run_float32(name: str, args: tuple, kwargs: dict, out: Any) -> Sym:
 def _sleef(name: str) -> Callable[..., Sym]:
     """sigmoid, silu, gelu_tanh, gelu (erf form, ATen's own kernel): sleef.py's kernels, which
     take ATen's loop (Sleef in the vector body, glibc in the scalar tails, the threads' chunks),
-    on an input in one run of memory, where a probe shows they give ATen's bits."""
+    on an input in one run of memory, where a probe shows they give ATen's bits. Fast mode's
+    sigmoid, silu and gelu_tanh: the same arithmetic per element (Op.SLEEF), fused anywhere."""
 
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
+        x = args[0] if args else kwargs.get("input")
+        if lw.fast and name != "gelu_erf" and is_float32(x) and not sleef.other_capability():
+            no_out(kwargs)
+            return lw.elementwise(Op.SLEEF, (x,), out, fn=name)  # (any layout: each lane alone)
         x = _one_run_float32(name, args, kwargs, out)
         why = sleef.why_not(name)
         if why:
