@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch.utils import _pytree as pytree
 
 from . import config, dims
@@ -89,7 +90,8 @@ def cse(graph: Graph) -> Graph:
     for n in graph.nodes:
         if any(i in same for i in n.value_inputs()):
             n = dataclasses.replace(n, inputs=tuple(same.get(i, i) if isinstance(i, str) else i for i in n.inputs))
-        if n.op in ELEMENTWISE or n.op in _REPEATABLE:
+        pure = n.op in ELEMENTWISE or n.op in _REPEATABLE
+        if pure and not any(isinstance(v, torch.Tensor) for v in n.attrs.values()):  # (a tensor's repr elides)
             key = (n.op, n.inputs, n.meta, repr(sorted(n.attrs.items())))
             first = seen.get(key)
             free = n.name not in outputs and all(u.op is not Op.EXTERN for u in users[n.name])

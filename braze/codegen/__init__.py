@@ -113,10 +113,10 @@ class Segment:
 
 def _width(body: list[Node], inner: int | ll.Value) -> int:
     """A vectorised loop's lanes: 16 for a body with oneDNN's GELU, fast mode's tanh or Sleef's
-    16-lane functions, whose table lookups or calls 8-lane vectors widen and narrow again (the GELU alone 0.53
-    vs 0.31 ns an element; each lane's bits are the same at any width), where the inner loop has
-    16 elements (and no MKL tanh, whose double-precision lookups take 8 lanes at most); else
-    WIDTH."""
+    16-lane functions, whose table lookups or calls 8-lane vectors widen and narrow again (the
+    GELU alone 0.53 vs 0.31 ns an element; each lane's bits are the same at any width), where the
+    inner loop has 16 elements (and no MKL tanh, whose double-precision lookups take 8 lanes at
+    most); else WIDTH."""
     if not any(n.op in (Op.GELU_ERF, Op.FAST_TANH, Op.SLEEF) for n in body) or any(n.op is Op.TANH for n in body):
         return WIDTH
     return 2 * WIDTH if not isinstance(inner, int) or inner >= 2 * WIDTH else WIDTH

@@ -294,7 +294,7 @@ def _vml(name: str) -> Callable[..., Sym]:
     def row(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
         no_out(kwargs)
         x = args[0]
-        if lw.fast and name == "tanh" and is_float32(x):
+        if lw.fast and name == "tanh" and is_float32(x) and not sleef.other_capability():
             return lw.elementwise(Op.FAST_TANH, (x,), out)
         if not is_float32(x):
             raise NotNative(f"{name} of a tensor that is not float32")
