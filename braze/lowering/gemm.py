@@ -217,9 +217,9 @@ def own_kernel(blas: dict[str, Any], beta: float, packed: bool = False) -> int:
 # Raised from 768 after the kernel's two steps of K a turn (583d529), which run 256 x 1024 -> 256
 # at 155 GFLOP/s on one thread against sgemm_'s 147 (hot panels; 2026-12-07, one process per
 # model compiled with each bound and a copy of the first, 21 rounds): with K = 1024 on the kernel
-# BERT 1.017x, DistilBERT 1.027x, transformer-layer 1.017x, T5 encoder 1.011x as fast as the
-# copy, HF ViT 0.994x, mlp-wide 0.995x (MKL split K = 1024 between the threads and added the
-# halves: 5% of BERT's samples).
+# BERT 1.017x (0.998x in a first run of 15), DistilBERT 1.027x, transformer-layer 1.017x, T5
+# encoder 1.011x as fast as the copy, HF ViT 0.994x, mlp-wide 0.995x (MKL split K = 1024 between
+# the threads and added the halves: 5% of BERT's samples).
 PACKED_OWN_K = 1024
 
 # Fast mode: from this many weights (256 KB) a product of a few rows is the kernel's on packed
