@@ -28,7 +28,7 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I64, PTR, VOID, counted_loop, declared, fma, per_width, split_between_threads
+from .codegen import F32, I64, PTR, VOID, counted_loop, declared, fma, per_width, split_between_threads, to_lanes
 
 LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
 STEP = 2 * LANES  # vectorized_loop handles two vectors a step
@@ -84,11 +84,8 @@ def _element(b: ll.IRBuilder, x: ll.Value, fn: str) -> ll.Value:
     vector, tail = FUNCTIONS[fn]
     if not isinstance(x.type, ll.VectorType):
         return _formula(fn, b, x, declared(b.module, tail, F32, [F32]))
-    width = x.type.count
-    lanes = lambda n, k: ll.Constant(ll.VectorType(ll.IntType(32), n), [i % k for i in range(n)])  # noqa: E731
-    wide = x if width == LANES else b.shuffle_vector(x, x, lanes(LANES, width))
-    y = _formula(fn, b, wide, declared(b.module, vector, V16, [V16]))
-    return y if width == LANES else b.shuffle_vector(y, y, lanes(width, width))
+    y = _formula(fn, b, to_lanes(b, x, LANES), declared(b.module, vector, V16, [V16]))
+    return to_lanes(b, y, x.type.count)
 
 
 def _erf(b: ll.IRBuilder, v: ll.Value, exp: ll.Function, const: Callable[[float], ll.Value]) -> ll.Value:

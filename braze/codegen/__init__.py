@@ -64,6 +64,7 @@ from .loops import (
     smaller,
     splat,
     split_between_threads,
+    to_lanes,
 )
 
 # The bits of a program's error word (its table's, runtime.Layout.error): an embedding's index out
@@ -102,6 +103,7 @@ __all__ = [
     "smaller",
     "splat",
     "split_between_threads",
+    "to_lanes",
 ]
 
 

@@ -21,7 +21,7 @@ import math
 import llvmlite.ir as ll
 import torch
 
-from .loops import F32, I32, _intrinsic, fma, per_width, pick
+from .loops import F32, I32, _intrinsic, fma, lane_types, per_width, pick
 
 TANH_POLY = (-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1, -3.33332819422e-1)
 TANH_SMALL = 0.625
@@ -61,19 +61,10 @@ def fast_tanh(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
     return per_width(b, x, "braze_fast_tanh", _tanh)
 
 
-def _constants(x: ll.Value) -> tuple[int, object]:
-    width = x.type.count if isinstance(x.type, ll.VectorType) else 1
-
-    def const(ty: ll.Type, v: float) -> ll.Constant:
-        return ll.Constant(ll.VectorType(ty, width), [v] * width) if width > 1 else ll.Constant(ty, v)
-
-    return width, const
-
-
 def _tanh(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
-    width, const = _constants(x)
+    shaped, const = lane_types(x)
     f = lambda v: const(F32, v)  # noqa: E731
-    ity = ll.VectorType(I32, width) if width > 1 else I32
+    ity = shaped(I32)
     a = _intrinsic(b, "fabs", x)
     z = b.fmul(a, a)
     q = f(TANH_POLY[0])

@@ -413,17 +413,29 @@ def pick(b: ll.IRBuilder, table: list[float], index: ll.Value) -> ll.Value:
     v16i = ll.VectorType(I32, 16)
     permute = declared(b.module, "llvm.x86.avx512.vpermi2var.ps.512", LANES16, [LANES16, v16i, LANES16])
     width = index.type.count if isinstance(index.type, ll.VectorType) else 1
-    wide = index
-    if width == 1:
-        wide = splat(b, index, 16)
-    elif width < 16:
-        wide = b.shuffle_vector(index, index, ll.Constant(v16i, [i % width for i in range(16)]))
+    wide = splat(b, index, 16) if width == 1 else to_lanes(b, index, 16)
     picked = b.call(permute, [ll.Constant(LANES16, table[:16]), wide, ll.Constant(LANES16, table[16:])])
-    if width == 16:
-        return picked
-    if width == 1:
-        return b.extract_element(picked, I32(0))
-    return b.shuffle_vector(picked, picked, ll.Constant(ll.VectorType(I32, width), list(range(width))))
+    return b.extract_element(picked, I32(0)) if width == 1 else to_lanes(b, picked, width)
+
+
+def to_lanes(b: ll.IRBuilder, v: ll.Value, lanes: int) -> ll.Value:
+    """Vector v as `lanes` lanes: wider, its lanes repeated; narrower, its first ones."""
+    width = v.type.count
+    if width == lanes:
+        return v
+    return b.shuffle_vector(v, v, ll.Constant(ll.VectorType(I32, lanes), [i % width for i in range(lanes)]))
+
+
+def lane_types(x: ll.Value) -> tuple[Callable[[ll.Type], ll.Type], Callable[[ll.Type, float], ll.Constant]]:
+    """For a per-lane function of x (one value or a vector): the type of x's shape with another
+    element type, and a constant of that shape (its element type, its value)."""
+    width = x.type.count if isinstance(x.type, ll.VectorType) else 1
+    shaped = (lambda t: ll.VectorType(t, width)) if width > 1 else (lambda t: t)
+
+    def const(ty: ll.Type, v: float) -> ll.Constant:
+        return ll.Constant(shaped(ty), [v] * width) if width > 1 else ll.Constant(ty, v)
+
+    return shaped, const
 
 
 def _bits(words: str) -> list[float]:
@@ -486,13 +498,9 @@ def _gelu_erf(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
     [1, 24], entry 23 beyond the bound; Horner in FMAs on |x|; x's sign on the result p; then
     (x * (1 + p)) * 0.5. Every step is an IEEE operation on one lane: a lane's bits depend on no
     other, so loops may compute it at any width and fuse it anywhere."""
-    width = x.type.count if isinstance(x.type, ll.VectorType) else 1
-    ity = ll.VectorType(I32, width) if width > 1 else I32
-
-    def const(ty: ll.Type, v: float) -> ll.Constant:
-        return ll.Constant(ty, [v] * width) if width > 1 else ll.Constant(ty, v)
-
-    i32 = lambda v: const(ity, v)  # noqa: E731
+    shaped, const = lane_types(x)
+    ity = shaped(I32)
+    i32 = lambda v: const(I32, v)  # noqa: E731
     bits = b.bitcast(x, ity)
     abits = b.and_(bits, i32(0x7FFFFFFF))
     a = b.bitcast(abits, x.type)
@@ -505,7 +513,7 @@ def _gelu_erf(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
     for degree in range(4, -1, -1):
         p = fma(b, p, a, pick(b, GELU_ERF_TABLE[degree], index))
     p = b.bitcast(b.xor(b.bitcast(p, ity), b.and_(bits, i32(-(2**31)))), x.type)
-    return b.fmul(b.fmul(x, b.fadd(p, const(x.type, 1.0))), const(x.type, 0.5))
+    return b.fmul(b.fmul(x, b.fadd(p, const(F32, 1.0))), const(F32, 0.5))
 
 
 F64 = ll.DoubleType()
@@ -524,12 +532,7 @@ def _mkl_tanh(b: ll.IRBuilder, x: ll.Value, table: list[float]) -> ll.Value:
     on), evaluated in double by Horner with separate multiplies and adds on |x| widened, rounded
     to float, x's sign bit or-ed in; |x| from 0x7f200000 on: NaN + NaN for NaN, else +-1. Every
     step is an IEEE operation on one lane, so loops may compute it at any width and fuse it."""
-    width = x.type.count if isinstance(x.type, ll.VectorType) else 1
-    vec = (lambda t: ll.VectorType(t, width)) if width > 1 else (lambda t: t)
-
-    def const(ty: ll.Type, v: float) -> ll.Constant:
-        return ll.Constant(vec(ty), [v] * width) if width > 1 else ll.Constant(ty, v)
-
+    vec, const = lane_types(x)
     i32 = lambda v: const(I32, v)  # noqa: E731
     bits = b.bitcast(x, vec(I32))
     masked = b.and_(bits, i32(0x7FE00000))
@@ -565,12 +568,9 @@ def _pick_double(b: ll.IRBuilder, column: list[float], index: ll.Value) -> ll.Va
     permute = declared(b.module, "llvm.x86.avx512.vpermi2var.pd.512", v8, [v8, i8, v8])
     padded = column + [0.0] * (32 - len(column))
     quarters = [ll.Constant(v8, padded[i : i + 8]) for i in range(0, 32, 8)]
-    idx = b.zext(b.shuffle_vector(index, index, ll.Constant(ll.VectorType(I32, 8), [i % width for i in range(8)])), i8)
+    idx = b.zext(to_lanes(b, index, 8), i8)
     low, high = (b.call(permute, [quarters[i], idx, quarters[i + 1]]) for i in (0, 2))
-    picked = b.select(b.icmp_unsigned("<", idx, ll.Constant(i8, [16] * 8)), low, high)
-    if width == 8:
-        return picked
-    return b.shuffle_vector(picked, picked, ll.Constant(ll.VectorType(I32, width), list(range(width))))
+    return to_lanes(b, b.select(b.icmp_unsigned("<", idx, ll.Constant(i8, [16] * 8)), low, high), width)
 
 
 def gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mask: ll.Value) -> ll.Value:
