@@ -268,6 +268,31 @@ def test_packed_weights_of_a_long_k_take_the_kernel_only_in_mkls_order():
     assert _packs(compiled) == [3 if mkl_order() else 2]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("k", [200, 300, 1000])
+@torch.no_grad()
+def test_packed_weights_sum_k_in_blocks_of_packed_chunk(k, n, threads):
+    """The kernel on kept panels sums K in blocks of PACKED_CHUNK (not MKL's 192 or K // 2),
+    each block's sums added in turn onto the bias: bit for bit the one-thread kernel in that
+    order, whichever way the threads split the product."""
+    from braze.lowering.gemm import PACKED_CHUNK
+
+    threads(n)
+    torch.manual_seed(k)
+    model = nn.Linear(k, 96).eval()
+    x = torch.randn(67, k)
+    compiled = braze.compile(model, mode="fast")
+    out = compiled(x)
+    assert _within(compiled, model, x)
+    (prog,) = compiled.programs()
+    (gemm,) = (node for node in prog.graph.nodes if node.op is Op.GEMM)
+    assert gemm.attrs["order"] == (False, PACKED_CHUNK) and gemm.attrs.get("pack") is not None, gemm
+    ours = gemmkernel.gemm(x, model.weight, model.bias, linear=True, packed=True, chunk=PACKED_CHUNK)
+    assert torch.equal(out, ours)
+    mkls = gemmkernel.gemm(x, model.weight, model.bias, linear=True, packed=True)
+    assert torch.equal(out, mkls) == (k <= gemmkernel.KC)  # (one block either way: the same sums)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 15])
 @pytest.mark.parametrize("n", [1, 2])
 @torch.no_grad()
