@@ -830,6 +830,48 @@ def test_convolutions_as_gemms_repack_changed_weights_and_share_a_generic_progra
     assert _within(compiled, model, x)
 
 
+class _Patches(nn.Module):
+    """A ViT's stem: an NCHW image cut into patches, their rows the tokens."""
+
+    def __init__(self, cin: int, width: int, patch: int, bias: bool) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(cin, width, patch, patch, bias=bias), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)  # (also an output: copied into eager's NCHW layout)
+        return self.norm(y.flatten(2).transpose(1, 2)), y  # (views of the product as computed)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize(
+    "cin, width, patch, size, bias",
+    [(3, 64, 16, (64, 64), True), (3, 40, 4, (17, 23), False), (2, 33, 2, (9, 9), True), (5, 17, 3, (7, 12), True)],
+)
+def test_an_image_cut_into_patches_is_a_gemm_of_its_pixel_rows(cin, width, patch, size, bias, n, threads):
+    """A convolution of an NCHW image whose stride is its kernel (no padding): its patches are
+    copies of KW pixels (Op.IM2COL's `planes`, K in the weight's own order), the product braze's
+    kernel on the weight packed once; no oneDNN call; the views after it (flatten, transpose)
+    made on its channels-last layout; NaN and infinities kept; within the contract; columns
+    past the last patch ignored (17 x 23 by 4)."""
+    threads(n)
+    torch.manual_seed(patch)
+    model = _Patches(cin, width, patch, bias).eval()
+    compiled = braze.compile(model, mode="fast")
+    for scale in (1e-3, 1.0, 1e3):
+        x = torch.randn(n, cin, *size) * scale
+        assert _within(compiled, model, x)
+    (prog,) = compiled.programs()
+    (im2col,) = (nd for nd in prog.graph.nodes if nd.op is Op.IM2COL)
+    assert im2col.attrs["planes"] and not prog.externs, prog.externs
+    gemms = [nd for nd in prog.graph.nodes if nd.op is Op.GEMM]
+    assert len(gemms) == 1 and not gemms[0].attrs["pack"].taps
+    x[0, 0, 1, 1], x[-1, -1, -1, 0] = float("nan"), -float("inf")
+    assert _within(compiled, model, x)
+    model.conv.weight.mul_(-1.0)
+    assert _within(compiled, model, x.nan_to_num())
+
+
 @torch.no_grad()
 def test_a_convolution_whose_patches_would_be_large_stays_onednns_in_pieces():
     model = nn.Sequential(nn.Conv2d(3, 64, 1), nn.Conv2d(64, 8, 7, padding=3)).eval()

@@ -24,6 +24,7 @@ from .loops import (
     masked_store,
     pieces,
     smaller,
+    splat,
 )
 
 
@@ -85,18 +86,22 @@ class GemmEmitter:
             self._epilogue_pass(b, table, epilogue)
 
     def _im2col(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """A convolution's patches (Op.IM2COL), their rows split between threads: each tap's C
-        channels copied 16 at a time from the pixel under it, or zeros where it lies off the image
-        (unsigned comparisons: a row or column before the first is a large number)."""
+        """A convolution's patches (Op.IM2COL), their rows split between threads: of a
+        channels-last input each tap's C channels copied 16 at a time from the pixel under it
+        (K tap by tap), of an NCHW one (`planes`) each channel's and kernel row's KW pixels (K as
+        the weight's [C, KH, KW]); zeros where they lie off the image (unsigned comparisons: a
+        row or column before the first is a large number)."""
         x = self.slot_of(k.inputs[0])
         (_, c, h, w), rows = x.meta.shape, k.meta.shape[0]
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (k.attrs[a] for a in ("kernel", "stride", "padding", "dilation"))
-        # (lowering/conv.py's: the channels one run of memory, the rows dense)
-        assert isinstance(c, int) and x.meta.stride[1] == 1 and k.meta.stride == (kh * kw * c, 1), k
+        planes = k.attrs.get("planes", False)
+        # (lowering/conv.py's: the channels, or an NCHW input's rows, one run of memory; the rows dense)
+        assert isinstance(c, int) and x.meta.stride[3 if planes else 1] == 1 and k.meta.stride == (kh * kw * c, 1), k
+        assert not planes or dw == 1, k
         with self._ranged(b, table, "im2col", k.meta.numel, rows) as (kb, tbl, lo, hi):
             src, dst = self.pointer(kb, tbl, x), self.pointer(kb, tbl, self.slot_of(k.name))
             height, width = self.dim(kb, tbl, h), self.dim(kb, tbl, w)
-            image_step, row_step, col_step = (self.dim(kb, tbl, x.meta.stride[d]) for d in (0, 2, 3))
+            image_step, channel_step, row_step, col_step = (self.dim(kb, tbl, x.meta.stride[d]) for d in range(4))
             out_w = kb.add(kb.sdiv(kb.add(width, I64(2 * pw - dw * (kw - 1) - 1)), I64(sw)), I64(1))
             out_h = kb.add(kb.sdiv(kb.add(height, I64(2 * ph - dh * (kh - 1) - 1)), I64(sh)), I64(1))
             plane = kb.mul(out_h, out_w)
@@ -105,17 +110,11 @@ class GemmEmitter:
                 y0 = kb.sub(kb.mul(kb.sdiv(at, out_w), I64(sh)), I64(ph))
                 x0 = kb.sub(kb.mul(kb.srem(at, out_w), I64(sw)), I64(pw))
                 first = kb.gep(src, [kb.mul(image, image_step)], source_etype=F32)
-                with counted_loop(kb, I64(0), I64(kh * kw)) as t:
-                    iy = kb.add(y0, kb.mul(kb.sdiv(t, I64(kw)), I64(dh)))
-                    ix = kb.add(x0, kb.mul(kb.srem(t, I64(kw)), I64(dw)))
-                    to = kb.gep(dst, [kb.mul(kb.add(kb.mul(r, I64(kh * kw)), t), I64(c))], source_etype=F32)
-                    inside = kb.and_(kb.icmp_unsigned("<", iy, height), kb.icmp_unsigned("<", ix, width))
-                    with kb.if_else(inside) as (on, off):
-                        with on:
-                            pixel = kb.add(kb.mul(iy, row_step), kb.mul(ix, col_step))
-                            _copy_floats(kb, kb.gep(first, [pixel], source_etype=F32), to, c)
-                        with off:
-                            _copy_floats(kb, None, to, c)
+                to = kb.gep(dst, [kb.mul(r, I64(kh * kw * c))], source_etype=F32)
+                if planes:
+                    _plane_rows(kb, first, to, (c, kh, kw, dh), (y0, x0), (height, width), (channel_step, row_step))
+                else:
+                    _pixel_taps(kb, first, to, (c, kh, kw, dh, dw), (y0, x0), (height, width), (row_step, col_step))
 
     def _epilogue(self, k: Node) -> Epilogue | None:
         """A GEMM's epilogue as a loop (none over no elements)."""
@@ -340,6 +339,58 @@ def _ref(b: ll.IRBuilder, ty: ll.Type, v: ll.Constant) -> ll.Value:
         slot = b.alloca(ty)
     b.store(v, slot)
     return slot
+
+
+def _pixel_taps(
+    b: ll.IRBuilder,
+    image: ll.Value,
+    to: ll.Value,
+    window: tuple[int, int, int, int, int],
+    corner: tuple[ll.Value, ll.Value],
+    size: tuple[ll.Value, ll.Value],
+    steps: tuple[ll.Value, ll.Value],
+) -> None:
+    """One patch of a channels-last image into `to`, K tap by tap: each tap's C channels from the
+    pixel under it, zeros for a tap off the image."""
+    (c, kh, kw, dh, dw), (y0, x0), (height, width), (row_step, col_step) = window, corner, size, steps
+    with counted_loop(b, I64(0), I64(kh * kw)) as t:
+        iy = b.add(y0, b.mul(b.sdiv(t, I64(kw)), I64(dh)))
+        ix = b.add(x0, b.mul(b.srem(t, I64(kw)), I64(dw)))
+        tap = b.gep(to, [b.mul(t, I64(c))], source_etype=F32)
+        inside = b.and_(b.icmp_unsigned("<", iy, height), b.icmp_unsigned("<", ix, width))
+        with b.if_else(inside) as (on, off):
+            with on:
+                pixel = b.add(b.mul(iy, row_step), b.mul(ix, col_step))
+                _copy_floats(b, b.gep(image, [pixel], source_etype=F32), tap, c)
+            with off:
+                _copy_floats(b, None, tap, c)
+
+
+def _plane_rows(
+    b: ll.IRBuilder,
+    image: ll.Value,
+    to: ll.Value,
+    window: tuple[int, int, int, int],
+    corner: tuple[ll.Value, ll.Value],
+    size: tuple[ll.Value, ll.Value],
+    steps: tuple[ll.Value, ll.Value],
+) -> None:
+    """One patch of an NCHW image (its rows unit-strided) into `to`, K as [C, KH, KW]: for each
+    channel and kernel row, the KW pixels from column x0 on (16 at a time; lanes off the image
+    0), zeros for a row off the image."""
+    (c, kh, kw, dh), (y0, x0), (height, width), (channel_step, row_step) = window, corner, size, steps
+    columns = ll.Constant(ll.VectorType(I32, 16), list(range(16)))
+    with counted_loop(b, I64(0), I64(c * kh)) as q:
+        iy = b.add(y0, b.mul(b.srem(q, I64(kh)), I64(dh)))
+        row = b.gep(image, [b.add(b.mul(b.sdiv(q, I64(kh)), channel_step), b.mul(iy, row_step))], source_etype=F32)
+        out = b.gep(to, [b.mul(q, I64(kw))], source_etype=F32)
+        on_image = splat(b, b.icmp_unsigned("<", iy, height), 16)
+        for j in range(0, kw, 16):
+            ix = b.add(splat(b, b.trunc(b.add(x0, I64(j)), I32), 16), columns)
+            inside = b.icmp_unsigned("<", ix, splat(b, b.trunc(width, I32), 16))
+            mask = b.and_(b.and_(inside, on_image), lanes_below(b, I64(kw - j)))
+            value = masked_load(b, b.gep(row, [b.add(x0, I64(j))], source_etype=F32), mask)
+            masked_store(b, value, b.gep(out, [I64(j)], source_etype=F32), lanes_below(b, I64(kw - j)))
 
 
 def _copy_floats(b: ll.IRBuilder, src: ll.Value | None, dst: ll.Value, n: int) -> None:

@@ -122,9 +122,10 @@ def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sy
     o, c, kh, kw = w.meta.shape
     if groups != 1 or not (isinstance(out, torch.Tensor) and out.numel()):
         return None
-    if x.meta.stride(1) != 1 or not x.meta.permute(0, 2, 3, 1).is_contiguous():  # (one channel: any stride)
-        return None
-    if _pieces(w) == 1 and not ((kh, kw) == (1, 1) and (stride, padding) != ([1, 1], [0, 0])):
+    planes = _patchify(x, (kh, kw), window)
+    pixels = x.meta.stride(1) == 1 and x.meta.permute(0, 2, 3, 1).is_contiguous()  # (one channel: any stride)
+    pieces_or_strided = _pieces(w) > 1 or ((kh, kw) == (1, 1) and (stride, padding) != ([1, 1], [0, 0]))
+    if not (planes or (pixels and pieces_or_strided)):
         return None
     n, _, oh, ow = out.shape
     if n * oh * ow * kh * kw * c * 4 > PATCHES_BYTES or not config.own_gemm:
@@ -133,13 +134,36 @@ def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sy
     if real is None:
         return None
     window_attrs = {"kernel": (kh, kw), "stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation)}
-    patches = lw.emit(Op.IM2COL, (x.name,), torch.empty(n * oh * ow, kh * kw * c, device="meta"), **window_attrs)
+    meta = torch.empty(n * oh * ow, kh * kw * c, device="meta")
+    patches = lw.emit(Op.IM2COL, (x.name,), meta, planes=planes, **window_attrs)
     unfolded = F.unfold(lw.example(x), (kh, kw), dilation, padding, stride)  # [N, C * KH * KW, OH * OW]
-    lw.real[patches.name] = unfolded.view(n, c, kh * kw, -1).permute(0, 3, 2, 1).reshape(n * oh * ow, -1)
-    product = gemm.conv_gemm(lw, patches, w, real, 0 if (kh, kw) == (1, 1) else kh * kw * CHANNELS_PER_PIECE)
+    if planes:  # K as the weight's [C, KH, KW] (unfold's), or tap by tap
+        lw.real[patches.name] = unfolded.transpose(1, 2).reshape(n * oh * ow, -1)
+    else:
+        lw.real[patches.name] = unfolded.view(n, c, kh * kw, -1).permute(0, 3, 2, 1).reshape(n * oh * ow, -1)
+    chunk = gemm.PACKED_CHUNK if planes else 0 if (kh, kw) == (1, 1) else kh * kw * CHANNELS_PER_PIECE
+    product = gemm.conv_gemm(lw, patches, w, real, chunk, taps=not planes)
     layout = torch.empty(out.shape, device="meta", memory_format=torch.channels_last)
     y = lw.view(product, lambda t: t.as_strided(out.shape, layout.stride(), t.storage_offset()))
-    return y if b is None else lw.elementwise(Op.ADD, (y, lw.view(b, lambda t: t.view(-1, 1, 1))), layout)
+    if b is None:
+        return y
+    bias = lw.view(b, lambda t: t.view(-1, 1, 1))
+    summed = lw.elementwise(Op.ADD, (y, bias), layout)
+    # its example laid out as computed, not as eager's result (NCHW, where the image is): the
+    # views after it are made on it
+    lw.real[summed.name] = (lw.example(y) + lw.example(bias)).contiguous(memory_format=torch.channels_last)
+    return summed
+
+
+def _patchify(x: Sym, kernel: tuple[int, int], window: tuple) -> bool:
+    """Whether a convolution of an NCHW image cuts it into patches: its kernel's stride, no
+    padding or dilation (ViT's and ConvNeXt's stems). Its patches are then runs of KW pixels
+    (Op.IM2COL's `planes`) and its product one GEMM, where oneDNN's call took the image into
+    channels-last first."""
+    stride, padding, dilation, _ = window
+    nchw = x.meta.dim() == 4 and x.meta.is_contiguous() and x.meta.shape[1] > 1
+    whole = list(kernel) == list(stride) and padding == [0, 0] and dilation == [1, 1]
+    return nchw and whole and min(kernel) > 1  # (1 x 1: a value per copy, where oneDNN reorders once)
 
 
 def _small(x: Sym, w: Sym, out: Any, groups: int) -> bool:

@@ -155,22 +155,23 @@ def kept_weight(lw: Lowerer, w: Sym) -> torch.nn.Parameter | None:
     return real if fast.steady(real) else None
 
 
-def conv_gemm(lw: Lowerer, patches: Sym, w: Sym, real: torch.nn.Parameter, chunk: int) -> Sym:
-    """Fast mode: a convolution's patches [M, K] (Op.IM2COL's, K tap by tap) @ its weight w [O, C,
-    KH, KW], the model's parameter `real` (what kept_weight gave), on its panels packed once in
-    that order (fast.GemmPack, checked by the entry on every call): braze's kernel at every row
-    count, K in blocks of `chunk`."""
+def conv_gemm(lw: Lowerer, patches: Sym, w: Sym, real: torch.nn.Parameter, chunk: int, taps: bool = True) -> Sym:
+    """Fast mode: a convolution's patches [M, K] (Op.IM2COL's, K tap by tap, or without `taps` in
+    the weight's order) @ its weight w [O, C, KH, KW], the model's parameter `real` (what
+    kept_weight gave), on its panels packed once in that order (fast.GemmPack, checked by the
+    entry on every call): braze's kernel at every row count, K in blocks of `chunk`."""
     (m, k), o = patches.meta.shape, w.meta.shape[0]
     # BLAS's view of it, the kernel's form (own_kernel), also where one output channel or one
     # pixel would let blas_args take the other: C^T [O, M] = W [O, K] (transposed) @ patches^T
     args = _blas_call(True, False, o, m, k, k, k, o)
     assert args is not None
     args["swap"] = True
-    pack, source = fast.GemmPack(real, taps=True), lw.owner(w.name)
+    pack, source = fast.GemmPack(real, taps=taps), lw.owner(w.name)
     attrs = {"blas": args, "own_kernel": 1, "one_thread": False, "order": (False, chunk), "taps": True}
     meta = torch.empty(m, o, device="meta")
     product = lw.emit(Op.GEMM, (patches.name, w.name, None), meta, beta=0.0, pack=pack, pack_source=source, **attrs)
-    lw.real[product.name] = lw.example(patches) @ real.detach().permute(0, 2, 3, 1).reshape(o, k).t()
+    weight = real.detach().permute(0, 2, 3, 1) if taps else real.detach()
+    lw.real[product.name] = lw.example(patches) @ weight.reshape(o, k).t()
     return product
 
 
