@@ -1252,7 +1252,7 @@ def _sdpa(q, k, v, **kw):
     ],
 )
 def test_attention_is_native_in_fast_mode(b, h, t, s, d, tokens_first, causal, n, threads):
-    """attention.py's kernel: queries and keys of any count (blocks of 6 queries, panels of 32
+    """attention.py's kernel: queries and keys of any count (blocks of 12 queries, panels of 32
     keys and their remainders), head sizes of 32-96, several batches and heads or none,
     both layouts, causal or not (more queries than keys too), 1 and 2 threads (whose split of
     the rows falls inside a head at [1, 3, 9, 9]), within the contract."""
