@@ -243,21 +243,24 @@ class GemmPack:
     whose address its code holds. (A weight changed while another thread runs the program is
     read half old, half new, as eager's GEMM would read it.)"""
 
-    def __init__(self, weight: torch.Tensor, taps: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, taps: bool = False, transposed: bool = False) -> None:
         self.layout = (tuple(weight.shape), weight.stride())  # a 1 x 1 convolution's [N, C, 1, 1] too
-        self.shape = (weight.shape[0], weight.numel() // max(weight.shape[0], 1))
+        rows = weight.shape[-1] if transposed else weight.shape[0]
+        self.shape = (rows, weight.numel() // max(rows, 1))
         self.taps = taps  # a convolution's weight [O, C, KH, KW], K taken tap by tap: (kh, kw, c)
+        self.transposed = transposed  # a [K, N] weight (GPT-2's Conv1D: addmm(bias, x, weight))
         self.depth = gemmkernel.packed_depth(self.shape[1])
         self.panels: torch.Tensor | None = None
         self.stamp: tuple[Any, ...] = (weight,)  # (what `address` packs from first)
         self.repacks = 0  # packed again since the first time (Program.rearm: the weight changed)
 
     def __repr__(self) -> str:
-        return f"GemmPack({self.shape[0]}x{self.shape[1]}{', taps' if self.taps else ''})"
+        form = ", taps" if self.taps else ", transposed" if self.transposed else ""
+        return f"GemmPack({self.shape[0]}x{self.shape[1]}{form})"
 
     def generic_key(self) -> tuple[Any, ...]:
         """One pack serves every size of a generic program (its rows vary, not its weight)."""
-        return ("GemmPack", self.shape, self.taps)
+        return ("GemmPack", self.shape, self.taps, self.transposed)
 
     def address(self) -> int:
         """Where the panels are (packed the first time: a program is built only from the packs
@@ -279,7 +282,8 @@ class GemmPack:
         assert self.panels is not None
         w = weight.detach()
         with torch.no_grad():
-            gemmkernel.pack((w.permute(0, 2, 3, 1) if self.taps else w).reshape(self.shape), self.panels)
+            rows = w.permute(0, 2, 3, 1) if self.taps else w.t() if self.transposed else w
+            gemmkernel.pack(rows.reshape(self.shape), self.panels)
         if len(self.stamp) > 1:  # (not the first packing)
             self.repacks += 1
         self.stamp = stamp(weight)

@@ -293,6 +293,43 @@ def test_packed_weights_sum_k_in_blocks_of_packed_chunk(k, n, threads):
     assert torch.equal(out, mkls) == (k <= gemmkernel.KC)  # (one block either way: the same sums)
 
 
+class _Conv1D(nn.Module):
+    """Hugging Face's Conv1D (GPT-2's projections): addmm(bias, x, weight), the weight [K, N]."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(k, n) * 0.1), nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("rows, k, cols", [(1, 300, 700), (5, 64, 96), (67, 300, 200), (130, 1000, 33)])
+@torch.no_grad()
+def test_a_k_by_n_weight_is_packed_once_too(rows, k, cols, n, threads):
+    """A [K, N] weight (GPT-2's Conv1D) is kept packed as linear's are (its transpose's panels),
+    for braze's kernel (a few rows by a large weight: split by columns; K in blocks of 64 there,
+    of PACKED_CHUNK elsewhere): within the contract, NaN kept, packed again when it changes."""
+    from braze.lowering.gemm import PACKED_CHUNK
+
+    threads(n)
+    torch.manual_seed(rows)
+    model = nn.Sequential(_Conv1D(k, cols), nn.ReLU()).eval()
+    x = torch.randn(rows, k)
+    compiled = braze.compile(model, mode="fast")
+    assert _within(compiled, model, x)
+    (prog,) = compiled.programs()
+    (gemm,) = (node for node in prog.graph.nodes if node.op is Op.GEMM)
+    assert gemm.attrs["own_kernel"] and gemm.attrs["pack"].transposed and not prog.externs, gemm
+    assert gemm.attrs["order"] == (False, 64 if rows == 1 else PACKED_CHUNK), gemm
+    x[0, 3] = float("nan")
+    assert torch.equal(compiled(x).isnan(), model(x).isnan())
+    model[0].weight.mul_(-1.0)
+    assert _within(compiled, model, x.nan_to_num())
+    assert sum(p.repacks for p in compiled.programs()) == 1
+
+
 @pytest.mark.parametrize("rows", [1, 3, 15])
 @pytest.mark.parametrize("n", [1, 2])
 @torch.no_grad()

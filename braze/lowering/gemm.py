@@ -127,7 +127,7 @@ def _gemm(lw: Lowerer, m1: Sym, m2: Sym, bias: Sym | None, beta: float, weight: 
         product = lw.emit(Op.GEMM, (*inputs[:2], None), out, blas=args, **ends, **kept, **attrs)
         return product if inputs[2] is None else lw.elementwise(Op.ADD, (product, bias), out)
     one = not own and _one_thread(args, beta)
-    if own and "pack" in kept:
+    if "pack" in kept:  # (wherever the kernel runs: a generic program decides own_kernel again)
         attrs["order"] = (False, PACKED_CHUNK)
     return lw.emit(Op.GEMM, inputs, out, beta=beta, blas=args, own_kernel=own, one_thread=one, **kept, **attrs)
 
@@ -138,11 +138,13 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
     (fast.GemmPack, checked by the entry on every call), for a contiguous parameter of the
     model (a leaf of the module, or a TorchDynamo graph's input that is one) with a version
     counter; none otherwise (the kernel packs it on every call, as in exact mode)."""
-    if not lw.fast or weight is None or not blas["ta"] or blas["lda"] != blas["k"]:
+    if not lw.fast or weight is None or blas["lda"] != (blas["k"] if blas["ta"] else blas["m"]):
         return {}
     real = kept_weight(lw, weight)  # (packed again and again before: read in place)
-    fits = real is not None and real.shape[0] == blas["m"] and real.numel() == blas["m"] * blas["k"]
-    return {"pack": fast.GemmPack(real), "pack_source": lw.owner(weight.name)} if fits else {}  # (1 x 1 convs' too)
+    rows = real.shape[0 if blas["ta"] else -1] if real is not None else None
+    fits = rows == blas["m"] and real.numel() == blas["m"] * blas["k"] and (blas["ta"] or real.dim() == 2)
+    pack = fast.GemmPack(real, transposed=not blas["ta"]) if fits else None
+    return {"pack": pack, "pack_source": lw.owner(weight.name)} if fits else {}  # (1 x 1 convs' too)
 
 
 def kept_weight(lw: Lowerer, w: Sym) -> torch.nn.Parameter | None:
@@ -413,7 +415,7 @@ def _addmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     packed = _packed(lw, x, w, bias, transposed=True) if kwargs.get("beta", 1) == 1 else None
     if packed is not None:
         return packed
-    return _gemm(lw, x, w, bias, float(kwargs.get("beta", 1)))
+    return _gemm(lw, x, w, bias, float(kwargs.get("beta", 1)), weight=w)  # (GPT-2's Conv1D: w [K, N])
 
 
 def _mm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
