@@ -1273,6 +1273,53 @@ def _sdpa(q, k, v, **kw):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
 
 
+def _repeat_kv(x: torch.Tensor, group: int, at: int = 2) -> torch.Tensor:
+    """Hugging Face's repeat_kv (at 2): each key or value head `group` times, one after another."""
+    b, kv, t, d = x.shape
+    shape = [b, kv, t, d]
+    shape.insert(at, group)
+    merged = [b, kv * group, t, d] if at == 2 else [b, kv, t * group, d]
+    return x.unsqueeze(at).expand(*shape).reshape(*merged)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("kv, group", [(2, 4), (2, 2), (3, 3)])  # (one head: views of it)
+@pytest.mark.parametrize("tokens_first", [False, True])
+def test_repeated_key_and_value_heads_are_read_where_they_are(kv, group, tokens_first, n, threads):
+    """Hugging Face's repeat_kv before attention (Llama's grouped heads): the kernel reads each key
+    and value head of the unrepeated tensors (grouped-query attention), the copies go; within the
+    contract. Heads repeated otherwise, or keys and values repeated unlike, keep their copies."""
+    threads(n)
+    torch.manual_seed(kv)
+    q = _qkv(1, kv * group, 19, 19, 64, tokens_first)[0]
+    k, v = _qkv(1, kv, 19, 19, 64, tokens_first)[1:]
+    mask = torch.rand(19, 19) > 0.3
+    mask[:, 0] = True
+
+    def attend(q, k, v, mask, kv_group=group):
+        return _sdpa(q, _repeat_kv(k, group), _repeat_kv(v, kv_group), attn_mask=mask)
+
+    with torch.no_grad():
+        compiled = braze.compile(attend, mode="fast")
+        out = compiled(q, k, v, mask)
+        assert measure(out, attend(q, k, v, mask), attend(q.double(), k.double(), v.double(), mask)).ok
+    (prog,) = compiled.programs()
+    (node,) = (nd for nd in prog.graph.nodes if nd.op is Op.ATTENTION)
+    assert [prog.graph.node_map()[name].meta.shape[1] for name in node.inputs[1:3]] == [kv, kv], node
+    assert Op.COPY not in [nd.op for nd in prog.graph.nodes] and not prog.externs
+
+    def unlike(q, k, v, mask):  # (values repeated along the tokens, then viewed as heads)
+        return _sdpa(q, _repeat_kv(k, group), _repeat_kv(v, group, 3).view(q.shape), attn_mask=mask)
+
+    with torch.no_grad():
+        compiled = braze.compile(unlike, mode="fast")
+        out = compiled(q, k, v, mask)
+        assert measure(out, unlike(q, k, v, mask), unlike(q.double(), k.double(), v.double(), mask)).ok
+    (prog,) = compiled.programs()
+    (node,) = (nd for nd in prog.graph.nodes if nd.op is Op.ATTENTION)
+    assert [prog.graph.node_map()[name].meta.shape[1] for name in node.inputs[1:3]] == [kv * group] * 2, node
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tokens_first", [False, True])

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..ir import Op
+from ..ir import Op, contiguous_strides
 from .core import Lowerer, NotNative, Sym, is_float32
 
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -25,6 +25,11 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
         raise NotNative("attention with dropout, or whose is_causal or enable_gqa is not a constant")
     if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
         raise NotNative("attention of tensors that are not float32")
+    if not grouped and all(isinstance(t, Sym) for t in (q, k, v)):  # Hugging Face's repeat_kv
+        unrepeated = [_repeated(lw, t) for t in (k, v)]
+        if all(unrepeated) and unrepeated[0][1] == unrepeated[1][1]:
+            (k, _), (v, _) = unrepeated
+            grouped = True
     mq, mk, mv = q.meta, k.meta, v.meta
     if any(m.dim() != 4 or m.stride(3) != 1 for m in (mq, mk, mv, out)):
         raise NotNative("attention of tensors that are not [batch, heads, tokens, d] with contiguous rows")
@@ -49,3 +54,25 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
     scale = given.get("scale")
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
     return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=causal, mask=kind)
+
+
+def _repeated(lw: Lowerer, s: Sym) -> tuple[Sym, int] | None:
+    """Where s is Hugging Face's repeat_kv of some x [B, KV, T, D], its copy of x[:, :, None]
+    expanded to [B, KV, G, T, D] viewed as [B, KV G, T, D]: (x, as a view of its own, G); else
+    None. Grouped-query attention on x reads each key and value head where x has it (head h:
+    x's h // G, as the copy's), so the copy goes (dce)."""
+    nodes = {n.name: n for n in lw.nodes}
+    view = nodes.get(s.name)
+    copy = nodes.get(view.inputs[0]) if view is not None and view.op is Op.VIEW else None
+    expanded = nodes.get(copy.inputs[0]) if copy is not None and copy.op is Op.COPY else None
+    if expanded is None or expanded.op is not Op.VIEW or expanded.name not in lw.real:
+        return None
+    shape, stride = expanded.meta.shape, expanded.meta.stride
+    if len(shape) != 5 or stride[2] != 0 or not isinstance(shape[2], int) or shape[2] < 2:
+        return None
+    b, kv, g, t, d = shape
+    dense = copy.meta.stride == contiguous_strides(shape) and copy.meta.offset == 0
+    if tuple(s.meta.shape) != (b, kv * g, t, d) or not s.meta.is_contiguous() or s.meta.storage_offset() or not dense:
+        return None
+    source = Sym(expanded.name, lw.real[expanded.name])
+    return lw.view(source, lambda e: e.select(2, 0)), g
