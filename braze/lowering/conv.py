@@ -157,9 +157,9 @@ def _as_gemm(lw: Lowerer, x: Sym, w: Sym, b: Any, out: Any, window: tuple) -> Sy
 
 def _patchify(x: Sym, kernel: tuple[int, int], window: tuple) -> bool:
     """Whether a convolution of an NCHW image cuts it into patches: its kernel's stride, no
-    padding or dilation (ViT's and ConvNeXt's stems). Its patches are then runs of KW pixels
-    (Op.IM2COL's `planes`) and its product one GEMM, where oneDNN's call took the image into
-    channels-last first."""
+    padding or dilation (a ViT's stem; ConvNeXt's, of few channels, is directconv's). Its
+    patches are then runs of KW pixels (Op.IM2COL's `planes`) and its product one GEMM, where
+    oneDNN's call took the image into channels-last first."""
     stride, padding, dilation, _ = window
     nchw = x.meta.dim() == 4 and x.meta.is_contiguous() and x.meta.shape[1] > 1
     whole = list(kernel) == list(stride) and padding == [0, 0] and dilation == [1, 1]
