@@ -160,14 +160,14 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
         def block(args: list[ll.Value]) -> None:
             null = ll.Constant(PTR, None)
             args = [*args, null, I64(0), null, I64(0), null]  # the sums alone, from 0, nothing prefetched
-            x, ldx, out, ldo = args[0], args[1], args[5], args[6]
-            rest = [at(x, b.mul(ldx, I64(6))), *args[1:5], at(out, b.mul(ldo, I64(6))), *args[6:]]
             for mr in range(1, MR + 1):
                 with b.if_then(b.icmp_signed("==", height, I64(mr))):
                     if mr in kernels:
                         b.call(kernels[mr], args)
-                    else:  # the first 6 rows, then the rest
+                    else:  # the first 6 rows, then the rest (x's and out's rows 6 on)
                         b.call(kernels[6], args)
+                        x, ldx, out, ldo = args[0], args[1], args[5], args[6]
+                        rest = [at(x, b.mul(ldx, I64(6))), *args[1:5], at(out, b.mul(ldo, I64(6))), *args[6:]]
                         b.call(kernels[mr - 6], rest)
 
         with counted_loop(b, I64(0), b.sdiv(b.add(limit, I64(NR - 1)), I64(NR))) as p:

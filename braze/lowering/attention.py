@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..ir import Op, contiguous_strides
+from ..ir import Node, Op, contiguous_strides
 from .core import Lowerer, NotNative, Sym, is_float32
 
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -26,7 +26,8 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
     if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
         raise NotNative("attention of tensors that are not float32")
     if not grouped and all(isinstance(t, Sym) for t in (q, k, v)):  # Hugging Face's repeat_kv
-        unrepeated = [_repeated(lw, t) for t in (k, v)]
+        nodes = {n.name: n for n in lw.nodes}
+        unrepeated = [_repeated(lw, nodes, t) for t in (k, v)]
         if all(unrepeated) and unrepeated[0][1] == unrepeated[1][1]:
             (k, _), (v, _) = unrepeated
             grouped = True
@@ -56,12 +57,11 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
     return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=causal, mask=kind)
 
 
-def _repeated(lw: Lowerer, s: Sym) -> tuple[Sym, int] | None:
+def _repeated(lw: Lowerer, nodes: dict[str, Node], s: Sym) -> tuple[Sym, int] | None:
     """Where s is Hugging Face's repeat_kv of some x [B, KV, T, D], its copy of x[:, :, None]
     expanded to [B, KV, G, T, D] viewed as [B, KV G, T, D]: (x, as a view of its own, G); else
     None. Grouped-query attention on x reads each key and value head where x has it (head h:
-    x's h // G, as the copy's), so the copy goes (dce)."""
-    nodes = {n.name: n for n in lw.nodes}
+    x's h // G, as the copy's), so the copy goes (dce). `nodes`: the lowered ones by name."""
     view = nodes.get(s.name)
     copy = nodes.get(view.inputs[0]) if view is not None and view.op is Op.VIEW else None
     expanded = nodes.get(copy.inputs[0]) if copy is not None and copy.op is Op.COPY else None

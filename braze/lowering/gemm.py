@@ -141,10 +141,11 @@ def _kept_pack(lw: Lowerer, weight: Sym | None, blas: dict[str, Any]) -> dict[st
     if not lw.fast or weight is None or blas["lda"] != (blas["k"] if blas["ta"] else blas["m"]):
         return {}
     real = kept_weight(lw, weight)  # (packed again and again before: read in place)
-    rows = real.shape[0 if blas["ta"] else -1] if real is not None else None
-    fits = rows == blas["m"] and real.numel() == blas["m"] * blas["k"] and (blas["ta"] or real.dim() == 2)
-    pack = fast.GemmPack(real, transposed=not blas["ta"]) if fits else None
-    return {"pack": pack, "pack_source": lw.owner(weight.name)} if fits else {}  # (1 x 1 convs' too)
+    if real is None or real.shape[0 if blas["ta"] else -1] != blas["m"] or real.numel() != blas["m"] * blas["k"]:
+        return {}
+    if not blas["ta"] and real.dim() != 2:  # ([N, K] also a 1 x 1 convolution's [N, C, 1, 1])
+        return {}
+    return {"pack": fast.GemmPack(real, transposed=not blas["ta"]), "pack_source": lw.owner(weight.name)}
 
 
 def kept_weight(lw: Lowerer, w: Sym) -> torch.nn.Parameter | None:
