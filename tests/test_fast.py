@@ -685,24 +685,22 @@ def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, st
         assert measure(out, ref, _reference(conv, x)).ok
 
 
-def test_large_depthwise_convolutions_stay_onednn_and_weights_are_read_live(monkeypatch):
-    """Above DEPTHWISE_FLOPS oneDNN's call wins; below, the kernel reads the model's weight at
-    each call, so a weight changed in place changes the answer."""
-    from braze.lowering import conv as lowering_conv
-
-    model, x = _depthwise_case((1, 24, 14, 14), 3, 1, 1, True)
-    compiled = braze.compile(model, mode="fast")
-    with torch.no_grad():
-        compiled(x)
-        model.weight.mul_(-2)
-        out, ref = compiled(x), model(x)
-        assert measure(out, ref, _reference(model, x)).ok
-    assert not compiled.programs()[0].externs
-    monkeypatch.setattr(lowering_conv, "DEPTHWISE_FLOPS", 0)
-    compiled = braze.compile(model, mode="fast")
-    with torch.no_grad():
-        compiled(x)
-    assert [label for label, _ in compiled.programs()[0].externs] == ["conv2d (oneDNN, packed weight)"]
+def test_depthwise_convolutions_are_native_at_any_size_and_weights_are_read_live():
+    """The kernel takes depthwise convolutions of any size (ConvNeXt's 7 x 7 on 40 channels at
+    56 x 56, 12 MFLOP, was oneDNN's call up to 2026-12-07) and reads the model's weight at each
+    call, so a weight changed in place changes the answer; a dilated one stays an ATen call."""
+    for shape, kernel, dilation in (((1, 24, 14, 14), 3, 1), ((1, 40, 56, 56), 7, 1), ((1, 24, 14, 14), 3, 2)):
+        model, x = _depthwise_case(shape, kernel, 1, dilation * (kernel // 2), True)
+        model.dilation = (dilation, dilation)
+        compiled = braze.compile(model, mode="fast")
+        with torch.no_grad():
+            compiled(x)
+            model.weight.mul_(-2)
+            out, ref = compiled(x), model(x)
+            assert measure(out, ref, _reference(model, x)).ok
+        (prog,) = compiled.programs()
+        convs = [n.op for n in prog.graph.nodes].count(Op.CONV)
+        assert (len(prog.externs), convs) == ((1, 0) if dilation > 1 else (0, 1)), prog.externs
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -397,11 +397,6 @@ def pixel_rows(x: torch.Tensor, out: Any) -> bool:
     return len(rows) == 2 and all(r.is_contiguous() for r in rows)
 
 
-# Above this many flops oneDNN's convolution wins: its call costs ~30 us, but it runs at ~200
-# GFLOP/s on two threads where directconv.py's depthwise kernel runs at ~120 (ConvNeXt-atto's
-# 7 x 7 on 40 channels at 56 x 56, 12 MFLOP: 105 us against 110; MobileNet-V3's, 1 MFLOP and
-# under: 15-30 us against 35-45, one thread).
-DEPTHWISE_FLOPS = 8_000_000
 # directconv.py takes an NCHW input of up to FEW_CHANNELS channels into output rows at least
 # FEW_WIDTH wide: its blocks of 8 pixels run at 100-140 GFLOP/s a thread, its lone pixels (past
 # a row's last block) far slower. (On one thread against oneDNN's call on two: MobileNet-V3's
@@ -414,14 +409,20 @@ FEW_WIDTH = 32
 def _direct(x: Sym, w: Sym, b: Any, out: Any, groups: int, dilation: list[int]) -> tuple[torch.Tensor, bool] | None:
     """(the channels-last result's layout, whether depthwise) where this convolution is
     directconv.py's (no dilation, contiguous weight and bias): depthwise (one filter per
-    channel) on channels-last pixels under DEPTHWISE_FLOPS, or of up to FEW_CHANNELS input
-    channels on an NCHW input into rows of FEW_WIDTH pixels or more."""
+    channel) on channels-last pixels, or of up to FEW_CHANNELS input channels on an NCHW input
+    into rows of FEW_WIDTH pixels or more.
+
+    Depthwise ones are the kernel's at every size. Up to 2026-12-07 only to 8 MFLOP, measured as
+    oneDNN's call running ~200 GFLOP/s against the kernel's ~120; measured again then (2 cores
+    of an Intel Xeon, a 1 x 1 convolution, the depthwise one and a residual add, fast mode with
+    and without the kernel, one process, 21 rounds) the kernel's programs ran 1.09-2.57x as
+    fast at 5-87 MFLOP (3 x 3, 5 x 5 and 7 x 7; 14 x 14 to 224 x 224 pixels; 32-768 channels),
+    and ConvNeXt-atto, whose two 12 MFLOP ones were oneDNN's calls in a Python body, 1.06x."""
     c = x.meta.shape[1]
     if dilation != [1, 1] or not w.meta.is_contiguous() or not (b is None or b.meta.is_contiguous()):
         return None
-    flops = 2 * out.numel() * math.prod(w.meta.shape[1:])
     if groups == c == w.meta.shape[0] and w.meta.shape[1] == 1 and pixel_rows(x.meta, out):
-        return (out, True) if flops <= DEPTHWISE_FLOPS else None
+        return out, True
     if groups == 1 and c <= FEW_CHANNELS and out.shape[-1] >= FEW_WIDTH and x.meta.is_contiguous():
         return torch.empty(out.shape, device="meta").contiguous(memory_format=torch.channels_last), False
     return None
