@@ -32,7 +32,7 @@ from .dims import Undecided
 from .lowering import Unsupported, lower
 from .lowering.core import hook_tables, hooked
 from .lowering.generic import Family, NotGeneric, Place, lower_generic, size_at, varying
-from .passes import run_passes
+from .passes import FAST_PIPELINE, PIPELINE, run_passes
 from .runtime import ATTRIBUTE_CHANGED, Guard, Program
 
 _EAGER = "eager"  # cache entry for signatures braze runs eagerly
@@ -179,7 +179,7 @@ def build_program(
     else:
         lowered = lower(captured, args)
     t1 = time.perf_counter()
-    graph, log = run_passes(lowered.graph)
+    graph, log = run_passes(lowered.graph, FAST_PIPELINE if captured.mode == "fast" else PIPELINE)
     timings = [("lower", (t1 - t0) * 1e3)] + [(f"pass.{n}", ms) for n, ms in log.timings()]
     # The modules whose `training` the program was built for: those whose forward the capture
     # inlined, and those a lowering decided on (dropout). Other modules' flags change nothing.

@@ -55,6 +55,9 @@ def _fusion(prog: Program) -> str:
             lines.append(f"  {n.name}: copies of {', '.join(n.inputs)} along dimension {n.attrs['dim']}")
         elif n.op is Op.VML:
             lines.append(f"  {n.name}: MKL {n.attrs['fn']} on {n.inputs[0]}")
+        elif n.op is Op.RMS_NORM:
+            weight = f", times {n.inputs[1]}" if n.inputs[1] is not None else ""
+            lines.append(f"  {n.name}: RMSNorm of the rows of {n.inputs[0]}{weight}")
         elif n.op is Op.BMM:
             batch = n.attrs["blas"]["batch"]
             lines.append(f"  {n.name}: cblas_sgemm_batch {n.inputs[0]} @ {n.inputs[1]}, {batch} matrices")

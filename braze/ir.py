@@ -75,6 +75,9 @@ class Op(enum.Enum):
     # n, rows, log
     SOFTMAX = "softmax"
     SUM = "sum"  # each row of inputs[0] (contiguous, attrs n long) summed as ATen; attrs: n, rows, mean
+    # Fast mode: each row x of inputs[0] (contiguous, attrs n long) as x * rsqrt(mean(x * x) + eps),
+    # times inputs[1] (n floats; None: no weight), the sum reassociated (rows.py); attrs: n, rows, eps
+    RMS_NORM = "rms_norm"
     # max_pool2d of each [H, W] plane of inputs[0] (contiguous), or with attrs pixels of its
     # channels-last pixels, as ATen (pool.py); attrs: kernel, stride, padding, dilation (pairs)
     MAX_POOL = "max_pool"
@@ -119,6 +122,7 @@ KERNELS = (
             Op.LAYER_NORM,
             Op.SOFTMAX,
             Op.SUM,
+            Op.RMS_NORM,
             Op.MAX_POOL,
             Op.CONV,
             Op.IM2COL,

@@ -152,6 +152,69 @@ def _fused(body: list[Node]) -> Node:
     return Node(last.name, Op.FUSED, tuple(ext), last.meta, {"body": tuple(body)})
 
 
+def fuse_rms_norm(graph: Graph) -> Graph:
+    """Fast mode: the RMSNorm that Llama's and T5's layers write op by op, x * rsqrt(mean(x * x,
+    -1, keepdim=True) + eps), times a weight or not, as one row kernel (Op.RMS_NORM), where the
+    squares, the mean, the rsqrt and the products were four passes over the rows (T5 encoder
+    and Llama: nine a call). Each step is rounded as eager's ops round it, but the sum of
+    squares, reassociated as fast mode's reductions may be. Only where every value in between
+    is used by the next step alone, and x's rows and the result are contiguous."""
+    users, outputs, nodes = graph.users(), set(graph.outputs), graph.node_map()
+    found: dict[str, tuple[Node, set[str]]] = {}  # last node's name -> (RMS_NORM, names it replaces)
+    for s in graph.nodes:
+        if s.op is Op.SUM and s.attrs.get("mean"):
+            match = _rms_norm(s, nodes, lambda n: None if n.name in outputs else _sole_user(n, users))
+            if match is not None:
+                found[match[0].name] = match
+    if not found:
+        return graph
+    gone = set().union(*(names for _, names in found.values()))
+    kept = [found[n.name][0] if n.name in found else n for n in graph.nodes if n.name in found or n.name not in gone]
+    return dataclasses.replace(graph, nodes=tuple(kept))
+
+
+def _rms_norm(s: Node, nodes: dict[str, Node], sole: Callable[[Node], Node | None]) -> tuple[Node, set[str]] | None:
+    """The RMS_NORM of the chain from mean `s` (mul(x, x) -> s -> its keepdim view -> add eps ->
+    rsqrt -> mul by x -> mul by a weight of n floats, optionally), and the chain's names; None
+    where it is not that chain."""
+    square = nodes.get(s.inputs[0])
+    if square is None or square.op is not Op.MUL or square.inputs[0] != square.inputs[1] or sole(square) is not s:
+        return None
+    x, n = nodes[square.inputs[0]], s.attrs["n"]
+    view = sole(s)
+    add = view and view.op is Op.VIEW and view.meta.shape == (*s.meta.shape, 1) and sole(view)
+    eps = add and add.op is Op.ADD and [i for i in add.inputs if i != view.name]
+    if not (eps and len(eps) == 1 and isinstance(eps[0], float)):
+        return None
+    root = sole(add)
+    scaled = root and root.op is Op.RSQRT and sole(root)
+    if not (scaled and scaled.op is Op.MUL and sorted(scaled.inputs) == sorted((x.name, root.name))):
+        return None
+    chain, last, weight = [square, s, view, add, root], scaled, None
+    after = sole(scaled)
+    other = after and after.op is Op.MUL and [i for i in after.inputs if i != scaled.name]
+    if other and len(other) == 1 and isinstance(other[0], str):
+        w = nodes[other[0]].meta
+        if w is not None and w.dtype == torch.float32 and w.numel == n and w.stride[-1] == 1 and w.shape[-1] == n:
+            chain, last, weight = [*chain, scaled], after, other[0]
+    if x.meta.shape != last.meta.shape or x.meta.shape[-1] != n or not isinstance(n, int):
+        return None
+    if not all(m.dtype == torch.float32 and _contiguous(m) for m in (x.meta, last.meta)):
+        return None
+    node = Node(last.name, Op.RMS_NORM, (x.name, weight), last.meta, {"n": n, "rows": s.attrs["rows"], "eps": eps[0]})
+    return node, {c.name for c in chain}
+
+
+def _contiguous(meta: TensorMeta) -> bool:
+    """Row-major without gaps (a generic program's sizes too: its strides are its sizes' products)."""
+    step: Dim = 1
+    for size, stride in reversed(list(zip(meta.shape, meta.stride))):
+        if stride != step and size != 1:
+            return False
+        step = step * size
+    return True
+
+
 def fuse_epilogue(graph: Graph) -> Graph:
     """Run a FUSED consumer of a GEMM in place on the GEMM's output, right after the BLAS call.
 
@@ -346,3 +409,5 @@ def _memoizable(graph: Graph, owner: dict[str, str], barred: set[str]) -> set[st
 
 
 PIPELINE: tuple[Pass, ...] = (dce, cse, memoize, fuse_elementwise, fuse_epilogue, plan_memory)
+# Fast mode's: fuse_rms_norm before the elementwise ops it replaces are fused with others
+FAST_PIPELINE: tuple[Pass, ...] = (dce, cse, memoize, fuse_rms_norm, fuse_elementwise, fuse_epilogue, plan_memory)

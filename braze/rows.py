@@ -21,6 +21,13 @@ op stays an ATen call, saying why.
         ATen's AVX2 cascade_sum of each row (four interleaved 8-lane cascades, the scalar tail,
         then the lanes in order), added to 0 as into ATen's zero-filled output; / n for a mean;
         one long row split between threads as ATen's two-pass reduction splits it
+
+Fast mode's own (no probe: its accuracy is the contract's, tests/test_fast.py):
+
+    braze_rms_norm_rows(x, w, y, n, lo, hi, eps)
+        the RMSNorm that Llama's and T5's layers write op by op: r = 1 / sqrt(sum(x * x) / n +
+        eps), y = w * (x * r) (w null: x * r), each step as eager's ops round it but the sum of
+        squares, which is four 16-lane FMA chains added at the end
 """
 
 from __future__ import annotations
@@ -451,11 +458,65 @@ def _sum(module: ll.Module) -> None:
     b.ret_void()
 
 
+# --- fast mode's RMSNorm ------------------------------------------------------------------------
+RMS_NORM = "braze_rms_norm_rows"
+CHAINS = 4  # its independent FMA chains of squares
+
+
+def _rms_norm(module: ll.Module) -> None:
+    fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, PTR, I64, I64, I64, F32]), RMS_NORM)
+    x, w, y, n, lo, hi, eps = fn.args
+    b = ll.IRBuilder(fn.append_basic_block("entry"))
+    with b.goto_entry_block():
+        acc = [b.alloca(V16) for _ in range(CHAINS)]
+    sqrt = declared(module, "llvm.sqrt.f32", F32, [F32])
+    weighted = b.icmp_unsigned("!=", b.ptrtoint(w, I64), I64(0))  # (null: no weight)
+    whole = b.sub(n, b.srem(n, I64(WIDE)))
+    rest = b.sub(n, whole)
+    load = lambda p, i: b.load(b.gep(p, [i], source_etype=F32), typ=V16, align=4)  # noqa: E731
+    with counted_loop(b, lo, hi) as r:
+        xr, yr = (b.gep(p, [b.mul(r, n)], source_etype=F32) for p in (x, y))
+        for a in acc:
+            b.store(ll.Constant(V16, [0.0] * WIDE), a)
+        quads = b.sub(n, b.srem(n, I64(WIDE * CHAINS)))
+        with counted_loop(b, I64(0), quads, WIDE * CHAINS) as d:
+            for u, a in enumerate(acc):
+                v = load(xr, b.add(d, I64(WIDE * u)))
+                b.store(fma(b, v, v, b.load(a, typ=V16)), a)
+        with counted_loop(b, quads, whole, WIDE) as d:
+            v = load(xr, d)
+            b.store(fma(b, v, v, b.load(acc[0], typ=V16)), acc[0])
+        with b.if_then(b.icmp_signed(">", rest, I64(0))):
+            v = _partial(b, b.gep(xr, [whole], source_etype=F32), rest)
+            b.store(fma(b, v, v, b.load(acc[0], typ=V16)), acc[0])
+        total = functools.reduce(b.fadd, [b.load(a, typ=V16) for a in acc])
+        mean = b.fdiv(combine_lanes(b, total, b.fadd), b.sitofp(n, F32))
+        scale = splat(b, b.fdiv(F32(1.0), b.call(sqrt, [b.fadd(mean, eps)])), WIDE)
+
+        def scale_row(weights: bool) -> None:
+            with counted_loop(b, I64(0), whole, WIDE) as d:
+                p = b.fmul(load(xr, d), scale)
+                b.store(b.fmul(load(w, d), p) if weights else p, b.gep(yr, [d], source_etype=F32), align=4)
+            with b.if_then(b.icmp_signed(">", rest, I64(0))):
+                p = b.fmul(_partial(b, b.gep(xr, [whole], source_etype=F32), rest), scale)
+                if weights:
+                    p = b.fmul(_partial(b, b.gep(w, [whole], source_etype=F32), rest), p)
+                _partial(b, b.gep(yr, [whole], source_etype=F32), rest, p)
+
+        with b.if_else(weighted) as (given, none):
+            with given:
+                scale_row(True)
+            with none:
+                scale_row(False)
+    b.ret_void()
+
+
 _BUILDERS: dict[str, Callable[[ll.Module], None]] = {
     LAYER_NORM: _layer_norm,
     SOFTMAX: lambda module: _softmax(module, log=False),
     LOG_SOFTMAX: lambda module: _softmax(module, log=True),
     SUM: _sum,
+    RMS_NORM: _rms_norm,
 }
 
 
@@ -534,6 +595,15 @@ def _softmax_same(log: bool) -> bool:
     )
     special = special.repeat(1, 7)
     return jit.same_bits(softmax_rows(special, log), aten(special, -1), nan_payloads=False)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Fast mode's kernel on a contiguous float32 x over its last dimension (for tests)."""
+    kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 3, ctypes.c_float)(library(RMS_NORM))
+    y, n = torch.empty_like(x), x.shape[-1]
+    w = None if weight is None else weight.data_ptr()
+    kernel(x.data_ptr(), w, y.data_ptr(), n, 0, x.numel() // max(n, 1), eps)
+    return y
 
 
 def sum_rows(x: torch.Tensor, mean: bool = False) -> torch.Tensor:

@@ -438,7 +438,8 @@ class ModuleBuilder(GemmEmitter):
         from .. import rows  # built on this module's helpers
 
         with self._ranged(b, table, k.op.value, k.meta.numel, k.attrs["rows"]) as (kb, tbl, lo, hi):
-            ptrs = [self.pointer(kb, tbl, self.slot_of(name)) for name in (*k.inputs, k.name)]
+            null = ll.Constant(PTR, None)  # (an absent weight)
+            ptrs = [null if v is None else self.pointer(kb, tbl, self.slot_of(v)) for v in (*k.inputs, k.name)]
             n = self.dim(kb, tbl, k.attrs["n"])
             if k.op is Op.LAYER_NORM:
                 fn = self.kernel(rows, rows.LAYER_NORM, [PTR, PTR, PTR, PTR, I64, I64, I64, F32])
@@ -447,6 +448,9 @@ class ModuleBuilder(GemmEmitter):
                 fn = self.kernel(rows, rows.SUM, [PTR, PTR, I64, I64, I64, I64, ll.IntType(1)])
                 total = self.dim(kb, tbl, k.attrs["rows"])
                 kb.call(fn, [*ptrs, n, lo, hi, total, ll.IntType(1)(int(k.attrs["mean"]))])
+            elif k.op is Op.RMS_NORM:
+                fn = self.kernel(rows, rows.RMS_NORM, [PTR, PTR, PTR, I64, I64, I64, F32])
+                kb.call(fn, [*ptrs, n, lo, hi, F32(k.attrs["eps"])])
             else:
                 name = rows.LOG_SOFTMAX if k.attrs["log"] else rows.SOFTMAX
                 kb.call(self.kernel(rows, name, [PTR, PTR, I64, I64, I64]), [*ptrs, n, lo, hi])
@@ -559,6 +563,7 @@ _EMITTERS = {
     Op.LAYER_NORM: "_rows",
     Op.SOFTMAX: "_rows",
     Op.SUM: "_rows",
+    Op.RMS_NORM: "_rows",
     Op.ACTIVATION: "_activation",
     Op.MAX_POOL: "_max_pool",
     Op.CONV: "_conv",
