@@ -22,7 +22,7 @@ op stays an ATen call, saying why.
         then the lanes in order), added to 0 as into ATen's zero-filled output; / n for a mean;
         one long row split between threads as ATen's two-pass reduction splits it
 
-Fast mode's own (no probe: its accuracy is the contract's, tests/test_fast.py):
+Fast mode's own (no probe: its accuracy is the contract's, tests/test_rms_norm.py):
 
     braze_rms_norm_rows(x, w, y, n, lo, hi, eps)
         the RMSNorm that Llama's and T5's layers write op by op: r = 1 / sqrt(sum(x * x) / n +
