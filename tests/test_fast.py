@@ -686,10 +686,19 @@ def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, st
 
 
 def test_depthwise_convolutions_are_native_at_any_size_and_weights_are_read_live():
-    """The kernel takes depthwise convolutions of any size (ConvNeXt's 7 x 7 on 40 channels at
+    """The kernel takes depthwise convolutions of any size in pixels and channels (ConvNeXt's 7 x 7 on 40 channels at
     56 x 56, 12 MFLOP, was oneDNN's call up to 2026-12-07) and reads the model's weight at each
-    call, so a weight changed in place changes the answer; a dilated one stays an ATen call."""
-    for shape, kernel, dilation in (((1, 24, 14, 14), 3, 1), ((1, 40, 56, 56), 7, 1), ((1, 24, 14, 14), 3, 2)):
+    call, so a weight changed in place changes the answer; a dilated one, or one of more taps
+    than its stack of filters holds (DEPTHWISE_TAPS), stays an ATen call."""
+    from braze.lowering import conv as lowering_conv
+
+    for shape, kernel, dilation in (
+        ((1, 24, 14, 14), 3, 1),
+        ((1, 40, 56, 56), 7, 1),
+        ((1, 24, 14, 14), 3, 2),
+        ((1, 8, 40, 40), 31, 1),
+        ((1, 8, 40, 40), 33, 1),
+    ):
         model, x = _depthwise_case(shape, kernel, 1, dilation * (kernel // 2), True)
         model.dilation = (dilation, dilation)
         compiled = braze.compile(model, mode="fast")
@@ -700,7 +709,8 @@ def test_depthwise_convolutions_are_native_at_any_size_and_weights_are_read_live
             assert measure(out, ref, _reference(model, x)).ok
         (prog,) = compiled.programs()
         convs = [n.op for n in prog.graph.nodes].count(Op.CONV)
-        assert (len(prog.externs), convs) == ((1, 0) if dilation > 1 else (0, 1)), prog.externs
+        aten = dilation > 1 or kernel * kernel > lowering_conv.DEPTHWISE_TAPS
+        assert (len(prog.externs), convs) == ((1, 0) if aten else (0, 1)), prog.externs
 
 
 @pytest.mark.parametrize("n", [1, 2])

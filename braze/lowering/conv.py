@@ -404,6 +404,10 @@ def pixel_rows(x: torch.Tensor, out: Any) -> bool:
 # ResNet's 7 x 7 1680 vs 824: even on two; ViT's 16 x 16 patches, 14 a row, 770 vs 276.)
 FEW_CHANNELS = 4
 FEW_WIDTH = 32
+# directconv.py keeps a group's filters on the stack of the thread that runs it (4 vectors of 64
+# bytes a tap): a depthwise kernel of more taps (31 x 31 is 961) stays oneDNN's call, so that
+# no thread's stack holds more than 256 KB of them (a 127 x 127 kernel would need 4 MB).
+DEPTHWISE_TAPS = 1024
 
 
 def _direct(x: Sym, w: Sym, b: Any, out: Any, groups: int, dilation: list[int]) -> tuple[torch.Tensor, bool] | None:
@@ -412,16 +416,18 @@ def _direct(x: Sym, w: Sym, b: Any, out: Any, groups: int, dilation: list[int]) 
     channel) on channels-last pixels, or of up to FEW_CHANNELS input channels on an NCHW input
     into rows of FEW_WIDTH pixels or more.
 
-    Depthwise ones are the kernel's at every size. Up to 2026-12-07 only to 8 MFLOP, measured as
-    oneDNN's call running ~200 GFLOP/s against the kernel's ~120; measured again then (2 cores
-    of an Intel Xeon, a 1 x 1 convolution, the depthwise one and a residual add, fast mode with
-    and without the kernel, one process, 21 rounds) the kernel's programs ran 1.09-2.57x as
-    fast at 5-87 MFLOP (3 x 3, 5 x 5 and 7 x 7; 14 x 14 to 224 x 224 pixels; 32-768 channels),
-    and ConvNeXt-atto, whose two 12 MFLOP ones were oneDNN's calls in a Python body, 1.06x."""
+    Depthwise ones are the kernel's at every size (of at most DEPTHWISE_TAPS taps). Up to
+    2026-12-07 only to 8 MFLOP, measured as oneDNN's call running ~200 GFLOP/s against the
+    kernel's ~120; measured again then (2 cores of an Intel Xeon, a 1 x 1 convolution, the
+    depthwise one and a residual add, fast mode with and without the kernel, one process, 21
+    rounds) the kernel's programs ran 1.09-2.57x as fast at 5-87 MFLOP (3 x 3, 5 x 5 and 7 x 7;
+    14 x 14 to 224 x 224 pixels; 32-768 channels), and ConvNeXt-atto, whose two 12 MFLOP ones
+    were oneDNN's calls in a Python body, 1.06x."""
     c = x.meta.shape[1]
     if dilation != [1, 1] or not w.meta.is_contiguous() or not (b is None or b.meta.is_contiguous()):
         return None
-    if groups == c == w.meta.shape[0] and w.meta.shape[1] == 1 and pixel_rows(x.meta, out):
+    depthwise = groups == c == w.meta.shape[0] and w.meta.shape[1] == 1
+    if depthwise and pixel_rows(x.meta, out) and math.prod(w.meta.shape[2:]) <= DEPTHWISE_TAPS:
         return out, True
     if groups == 1 and c <= FEW_CHANNELS and out.shape[-1] >= FEW_WIDTH and x.meta.is_contiguous():
         return torch.empty(out.shape, device="meta").contiguous(memory_format=torch.channels_last), False
