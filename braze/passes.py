@@ -199,20 +199,10 @@ def _rms_norm(s: Node, nodes: dict[str, Node], sole: Callable[[Node], Node | Non
             chain, last, weight = [*chain, scaled], after, other[0]
     if x.meta.shape != last.meta.shape or x.meta.shape[-1] != n or not isinstance(n, int):
         return None
-    if not all(m.dtype == torch.float32 and _contiguous(m) for m in (x.meta, last.meta)):
+    if not all(m.dtype == torch.float32 and m.stride == contiguous_strides(m.shape) for m in (x.meta, last.meta)):
         return None
     node = Node(last.name, Op.RMS_NORM, (x.name, weight), last.meta, {"n": n, "rows": s.attrs["rows"], "eps": eps[0]})
     return node, {c.name for c in chain}
-
-
-def _contiguous(meta: TensorMeta) -> bool:
-    """Row-major without gaps (a generic program's sizes too: its strides are its sizes' products)."""
-    step: Dim = 1
-    for size, stride in reversed(list(zip(meta.shape, meta.stride))):
-        if stride != step and size != 1:
-            return False
-        step = step * size
-    return True
 
 
 def fuse_epilogue(graph: Graph) -> Graph:

@@ -281,23 +281,26 @@ def _reduce_all(b: ll.IRBuilder, op: Callable, x: ll.Value, n: ll.Value) -> ll.V
     return b.load(result, typ=F32)
 
 
+def _map(b: ll.IRBuilder, n: ll.Value, dst: ll.Value, srcs: list[ll.Value], f: Callable[..., ll.Value]) -> None:
+    """vec::map over n floats: dst = f(a vector of each src), whole vectors, then the partial
+    last one (its lanes past n are zeros)."""
+    whole = b.sub(n, b.srem(n, I64(WIDE)))
+    with counted_loop(b, I64(0), whole, WIDE) as d:
+        vs = [b.load(b.gep(src, [d], source_etype=F32), typ=V16, align=4) for src in srcs]
+        b.store(f(*vs), b.gep(dst, [d], source_etype=F32), align=4)
+    rest = b.sub(n, whole)
+    with b.if_then(b.icmp_signed(">", rest, I64(0))):
+        last = [_partial(b, b.gep(src, [whole], source_etype=F32), rest) for src in srcs]
+        _partial(b, b.gep(dst, [whole], source_etype=F32), rest, f(*last))
+
+
 def _softmax(module: ll.Module, log: bool) -> None:
     fn = ll.Function(module, ll.FunctionType(VOID, [PTR, PTR, I64, I64, I64]), LOG_SOFTMAX if log else SOFTMAX)
     x, y, n, lo, hi = fn.args
     b = ll.IRBuilder(fn.append_basic_block("entry"))
     sleef = lambda name: declared(module, name, V16, [V16])  # noqa: E731
     exp = sleef("Sleef_expf16_u10")
-
-    def vmap(src: ll.Value, dst: ll.Value, f: Callable[[ll.Value], ll.Value]) -> None:
-        """vec::map: whole vectors, then the partial last one (its lanes past n are zeros)."""
-        whole = b.sub(n, b.srem(n, I64(WIDE)))
-        with counted_loop(b, I64(0), whole, WIDE) as d:
-            v = b.load(b.gep(src, [d], source_etype=F32), typ=V16, align=4)
-            b.store(f(v), b.gep(dst, [d], source_etype=F32), align=4)
-        rest = b.sub(n, whole)
-        with b.if_then(b.icmp_signed(">", rest, I64(0))):
-            last = _partial(b, b.gep(src, [whole], source_etype=F32), rest)
-            _partial(b, b.gep(dst, [whole], source_etype=F32), rest, f(last))
+    vmap = lambda src, dst, f: _map(b, n, dst, [src], f)  # noqa: E731
 
     with counted_loop(b, lo, hi) as r:
         xr = b.gep(x, [b.mul(r, n)], source_etype=F32)
@@ -492,22 +495,11 @@ def _rms_norm(module: ll.Module) -> None:
         total = functools.reduce(b.fadd, [b.load(a, typ=V16) for a in acc])
         mean = b.fdiv(combine_lanes(b, total, b.fadd), b.sitofp(n, F32))
         scale = splat(b, b.fdiv(F32(1.0), b.call(sqrt, [b.fadd(mean, eps)])), WIDE)
-
-        def scale_row(weights: bool) -> None:
-            with counted_loop(b, I64(0), whole, WIDE) as d:
-                p = b.fmul(load(xr, d), scale)
-                b.store(b.fmul(load(w, d), p) if weights else p, b.gep(yr, [d], source_etype=F32), align=4)
-            with b.if_then(b.icmp_signed(">", rest, I64(0))):
-                p = b.fmul(_partial(b, b.gep(xr, [whole], source_etype=F32), rest), scale)
-                if weights:
-                    p = b.fmul(_partial(b, b.gep(w, [whole], source_etype=F32), rest), p)
-                _partial(b, b.gep(yr, [whole], source_etype=F32), rest, p)
-
         with b.if_else(weighted) as (given, none):
             with given:
-                scale_row(True)
+                _map(b, n, yr, [xr, w], lambda v, u: b.fmul(u, b.fmul(v, scale)))
             with none:
-                scale_row(False)
+                _map(b, n, yr, [xr], lambda v: b.fmul(v, scale))
     b.ret_void()
 
 
