@@ -686,10 +686,10 @@ def test_depthwise_convolutions_are_native_within_the_contract(shape, kernel, st
 
 
 def test_depthwise_convolutions_are_native_at_any_size_and_weights_are_read_live():
-    """The kernel takes depthwise convolutions of any size in pixels and channels (ConvNeXt's 7 x 7 on 40 channels at
-    56 x 56, 12 MFLOP, was oneDNN's call up to 2026-12-07) and reads the model's weight at each
-    call, so a weight changed in place changes the answer; a dilated one, or one of more taps
-    than its stack of filters holds (DEPTHWISE_TAPS), stays an ATen call."""
+    """The kernel takes depthwise convolutions of any size in pixels and channels (ConvNeXt's 7 x
+    7 on 40 channels at 56 x 56, 12 MFLOP, was oneDNN's call up to 2026-12-07) and reads the
+    model's weight at each call, so a weight changed in place changes the answer; a dilated one,
+    or one of more taps than its stack of filters holds (DEPTHWISE_TAPS), stays an ATen call."""
     from braze.lowering import conv as lowering_conv
 
     for shape, kernel, dilation in (
