@@ -466,6 +466,15 @@ def test_own_kernel_serves_every_row_count_of_a_generic_program(linear, threads)
         check_model(fn, (torch.randn(2, t, 96),), compiled=compiled)
     generic = [i for i, p in enumerate(compiled.programs()) if p.family is not None]
     assert generic and _own(compiled, generic[0])[0] > 0
+    assert _kernel_first(compiled, generic[0])
+
+
+def _kernel_first(compiled, i: int) -> bool:
+    """Whether generic program i's body decides between the kernel and sgemm_ (by the row count)
+    before anything runs: the kernel reads the bias row itself, and only sgemm_'s path copies
+    it into the output first (it was copied before the branch, on every call)."""
+    body = re.search(r'define void @"\w+_seg0".*?\n}\n', compiled.programs()[i].llvm_ir, re.S).group(0)
+    return re.search(r"icmp \w+ i64 %\S+, (\d+)", body).group(1) == str(_own(compiled, i)[0])
 
 
 def _epilogue_with_rows(fn, *inputs, mode: str = "exact") -> bool:
@@ -529,7 +538,8 @@ def test_linear_with_an_epilogue_splits_rows_while_k_is_at_most_twice_the_rows(d
                 reference = F.gelu(F.linear(x.double(), layer.weight.double(), layer.bias.double()))
                 assert measure(compiled(x), fn(x), reference).ok
     assert _epilogue_with_rows(fn, torch.randn(128, depth), mode=mode) is with_rows
-    assert any(p.family is not None for p in compiled.programs())
+    generic = [i for i, p in enumerate(compiled.programs()) if p.family is not None]
+    assert generic and _kernel_first(compiled, generic[0])
 
 
 def test_own_kernel_falls_back_to_sgemm_where_its_probe_disagrees(threads, monkeypatch):

@@ -54,27 +54,33 @@ class GemmEmitter:
             return
         blas, own, order = k.attrs["blas"], k.attrs.get("own_kernel", 0), k.attrs.get("order")
         assert not k.attrs.get("taps") or (own and k.attrs.get("pack")), k.attrs  # (a weight BLAS cannot read)
-        # the kernel reads a bias row itself, where it runs at every size the program admits (a
-        # seed, in a convolution's order: an NCHW image's a value per row)
-        row = own and isinstance(blas["n"], int) and bias is not None and _bias_row(self.slot_of(bias).meta, gemm_meta)
+        # the kernel reads a bias row itself (a seed, in a convolution's order: an NCHW image's a
+        # value per row); where sgemm_ runs, ATen's copy of the bias into every row comes first
+        row = own and bias is not None and _bias_row(self.slot_of(bias).meta, gemm_meta)
         row = row or (order is not None and order[0] and bias is not None)
-        if bias is not None and not row:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
+        bias_row = self.slot_of(bias) if row else None
+
+        def copy_bias() -> None:  # ATen: result.copy_(bias expanded), then sgemm with beta=1
             copy = Node(k.name, Op.COPY, (bias,), gemm_meta)
             self._loop_kernel(b, table, gemm_meta, c, (copy,), {})
+
+        if bias is not None and not row:
+            copy_bias()
         operands = (self.slot_of(m1), self.slot_of(m2), c)
         sgemm = lambda: self._sgemm_call(b, table, blas, *operands, k.attrs["beta"], self._one_thread(b, table, k))  # noqa: E731
         epilogue = self._epilogue(k) if k.body else None
         if own and isinstance(blas["n"], int):
-            bias_row = self.slot_of(bias) if row else None
             pack, images = k.attrs.get("pack"), k.attrs.get("images", 1)
             self._own_gemm(b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, pack, order, images)
         elif own:  # a generic program: MKL's other path below `own` rows
             with b.if_else(b.icmp_signed(">=", self.dim(b, table, blas["n"]), I64(own))) as (mine, mkl):
                 with mine:
                     self._own_gemm(
-                        b, table, blas, operands, None, k.attrs["beta"], epilogue, k.attrs.get("pack"), order
+                        b, table, blas, operands, bias_row, k.attrs["beta"], epilogue, k.attrs.get("pack"), order
                     )
                 with mkl:
+                    if bias_row is not None:
+                        copy_bias()
                     sgemm()
                     self._epilogue_pass(b, table, epilogue)
         else:
