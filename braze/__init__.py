@@ -43,14 +43,13 @@ def explain(fn: Any, *example_inputs: Any, mode: str | None = None, **example_kw
     which ops run natively and which through ATen (and why), the LLVM IR, optimised IR,
     assembly, and milliseconds per stage; for a compiled wrapper, also every program it has
     compiled so far and why. A model that torch.fx cannot trace (or a call with keywords) is
-    captured as braze.compile would: by TorchDynamo, which runs it once on the inputs; each of
-    its graphs gets its sections, headed "graph i:". A wrapper is explained in the mode it was
-    compiled with (`mode`, if given, must be that one). `mode` is braze's: a model's own keyword
-    argument of that name cannot be given here.
+    compiled as braze.compile would: captured by TorchDynamo, each of its graphs' programs
+    generic in the sizes TorchDynamo left symbolic, as they run; a fresh wrapper calls it once
+    on the inputs, without gradients, and each graph gets its sections, headed "graph i:". A
+    wrapper is explained in the mode it was compiled with (`mode`, if given, must be that
+    one). `mode` is braze's: a model's own keyword argument of that name cannot be given here.
     """
     import dataclasses
-
-    import torch
 
     from . import capture, debug
     from .api import exact_instead
@@ -62,34 +61,41 @@ def explain(fn: Any, *example_inputs: Any, mode: str | None = None, **example_kw
     if mode not in MODES:
         raise ValueError(f"braze: unknown mode {mode!r} (one of {', '.join(MODES)})")
     t0 = time.perf_counter()
+    wrapper = None
     try:
         if example_kwargs:
             raise capture.CaptureError("keyword arguments")
         if isinstance(target, torch.fx.GraphModule):
-            graphs = [(capture.from_graph_module(target), tuple(example_inputs))]
+            captured = capture.from_graph_module(target)
         else:
-            graphs = [(capture.trace(target, len(example_inputs)), tuple(example_inputs))]
+            captured = capture.trace(target, len(example_inputs))
     except capture.CaptureError:
-        graphs = _dynamo_graphs(target, example_inputs, example_kwargs)
-    capture_ms = (time.perf_counter() - t0) * 1e3
+        captured = None
     secs: dict[str, str] = {}
-    programs = []
     within = "faster kernels within the accuracy contract" if mode == "fast" else "eager's bits"
     secs["mode"] = f"  {mode} ({within})"
-    for i, (captured, args) in enumerate(graphs):
+    if captured is None:
+        wrapper, programs = _dynamo_programs(target, mode, example_inputs, example_kwargs, fn)
+        capture_ms = (time.perf_counter() - t0) * 1e3 - sum(getattr(p, "total_ms", 0.0) for p in programs)
+    else:
+        capture_ms = (time.perf_counter() - t0) * 1e3
         captured = dataclasses.replace(captured, mode=mode)
         try:
-            prog = _program(captured, args)
+            programs = [_program(captured, tuple(example_inputs))]
         except Exception as e:
-            prog = exact_instead(captured, lambda c, a=args: _program(c, a))  # as the wrapper does
+            prog = exact_instead(captured, lambda c: _program(c, tuple(example_inputs)))  # as the wrapper does
             if prog is None:
                 raise
+            programs = [prog]
             failed = f"fast mode's lowering failed ({type(e).__name__}: {e})"
-            secs["mode"] += f"\n  graph {i}: {failed}; exact mode's program, which the wrapper runs"
-        prog.timings.insert(0, ("capture", capture_ms if i == 0 else 0.0))
-        head = f"graph {i}: " if len(graphs) > 1 else ""
-        secs.update({head + name: body for name, body in debug.sections(prog, captured.graph).items()})
-        programs.append(prog)
+            secs["mode"] += f"\n  {failed}; exact mode's program, which the wrapper runs"
+    for i, prog in enumerate(programs):
+        rest = [t for t in prog.timings if t[0] != "capture"]  # (a wrapper's program has its own)
+        prog.timings[:] = [("capture", max(capture_ms, 0.0) if i == 0 else 0.0), *rest]
+        head = f"graph {i}: " if len(programs) > 1 else ""
+        secs.update({head + name: body for name, body in debug.sections(prog, prog.captured_graph).items()})
+    if wrapper is not None:
+        secs["compilations of this call"] = debug.compilations(wrapper)
     if isinstance(fn, CompiledFunction):
         secs["compilations of this wrapper"] = debug.compilations(fn)
     text = "\n\n".join(f"=== {name} ===\n{body}" for name, body in secs.items())
@@ -107,25 +113,15 @@ def _program(captured: Any, args: tuple) -> Any:
         return build_program(captured, args)
 
 
-def _dynamo_graphs(target: Any, args: tuple, kwargs: dict) -> list[tuple[Any, tuple]]:
-    """TorchDynamo's graphs of one call of `target`, each with the arguments it was called with."""
-    import torch
-
-    from . import capture
-    from .backend import exact
-
-    graphs: list[tuple[Any, tuple]] = []
-
-    @exact
-    def collect(gm: torch.fx.GraphModule, _: list[Any]) -> Any:
-        def first(*graph_args: Any) -> Any:
-            graphs.append((capture.from_graph_module(gm), graph_args))
-            return gm(*graph_args)
-
-        return first
-
-    torch.compile(target, backend=collect, dynamic=False)(*args, **kwargs)
-    return graphs
+def _dynamo_programs(target: Any, mode: str, args: tuple, kwargs: dict, fn: Any) -> tuple[CompiledFunction, list[Any]]:
+    """What braze's wrapper compiles for one call of `target` captured by TorchDynamo: a fresh
+    wrapper (with `fn`'s options, if a wrapper) called once, without gradients, and the program
+    of each of TorchDynamo's graphs, generic where the wrapper's are (in the sizes TorchDynamo
+    made symbolic), as they run."""
+    wrapper = compile(target, mode=mode, dynamic=fn.dynamic if isinstance(fn, CompiledFunction) else None)
+    with torch.no_grad(), config.patch(debug_dir=""), _want_text():
+        wrapper(*args, **kwargs)
+    return wrapper, [p for sub in wrapper._subgraphs for p in sub.programs()]
 
 
 class _want_text:

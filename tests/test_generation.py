@@ -93,3 +93,7 @@ def test_explain_a_keyword_call_of_a_hugging_face_model():
         report = braze.explain(model, input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long))
     placement = report.sections["native vs ATen"]
     assert "layer_norm" in report.sections["IR after lowering"] and "F.layer_norm" not in placement
+    # The program a wrapper runs: generic in the sizes TorchDynamo left symbolic (explain showed
+    # one for these sizes alone, which is not what runs)
+    assert report.program.family is not None and ",s1," in report.sections["IR after lowering"]
+    assert "generic in s" in report.sections["compilations of this call"]
