@@ -478,9 +478,10 @@ def _kernel_first(compiled, i: int) -> bool:
 
 
 def _epilogue_with_rows(fn, *inputs, mode: str = "exact") -> bool:
-    """Whether the program's own-kernel GEMM calls its epilogue's loop itself (on each thread's
-    rows), rather than the epilogue running as a pass of its own."""
-    ir = braze.explain(fn, *inputs, mode=mode).sections["LLVM IR"]
+    """Whether the program for these sizes (not a generic one, which decides per call) has its
+    own-kernel GEMM call its epilogue's loop itself (on each thread's rows), rather than the
+    epilogue running as a pass of its own."""
+    ir = braze.explain(braze.compile(fn, mode=mode, dynamic=False), *inputs).sections["LLVM IR"]
     gemm = re.search(r'define internal void @"own_gemm\d*"\(.*?\n}\n', ir, re.S)
     return bool(gemm and re.search(r'call void @"loop\d+"', gemm.group(0)))
 
