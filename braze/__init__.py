@@ -75,7 +75,8 @@ def explain(fn: Any, *example_inputs: Any, mode: str | None = None, **example_kw
     within = "faster kernels within the accuracy contract" if mode == "fast" else "eager's bits"
     secs["mode"] = f"  {mode} ({within})"
     if captured is None:
-        wrapper, programs = _dynamo_programs(target, mode, example_inputs, example_kwargs, fn)
+        dynamic = fn.dynamic if isinstance(fn, CompiledFunction) else None
+        wrapper, programs = _dynamo_programs(target, mode, dynamic, example_inputs, example_kwargs)
         capture_ms = (time.perf_counter() - t0) * 1e3 - sum(getattr(p, "total_ms", 0.0) for p in programs)
     else:
         capture_ms = (time.perf_counter() - t0) * 1e3
@@ -113,12 +114,14 @@ def _program(captured: Any, args: tuple) -> Any:
         return build_program(captured, args)
 
 
-def _dynamo_programs(target: Any, mode: str, args: tuple, kwargs: dict, fn: Any) -> tuple[CompiledFunction, list[Any]]:
+def _dynamo_programs(
+    target: Any, mode: str, dynamic: bool | None, args: tuple, kwargs: dict
+) -> tuple[CompiledFunction, list[Any]]:
     """What braze's wrapper compiles for one call of `target` captured by TorchDynamo: a fresh
-    wrapper (with `fn`'s options, if a wrapper) called once, without gradients, and the program
-    of each of TorchDynamo's graphs, generic where the wrapper's are (in the sizes TorchDynamo
-    made symbolic), as they run."""
-    wrapper = compile(target, mode=mode, dynamic=fn.dynamic if isinstance(fn, CompiledFunction) else None)
+    wrapper (`mode`, `dynamic`: as braze.compile's) called once, without gradients, and the
+    program of each of TorchDynamo's graphs, generic where the wrapper's are (in the sizes
+    TorchDynamo made symbolic), as they run."""
+    wrapper = compile(target, mode=mode, dynamic=dynamic)
     with torch.no_grad(), config.patch(debug_dir=""), _want_text():
         wrapper(*args, **kwargs)
     return wrapper, [p for sub in wrapper._subgraphs for p in sub.programs()]
