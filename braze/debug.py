@@ -60,7 +60,9 @@ def _fusion(prog: Program) -> str:
             lines.append(f"  {n.name}: RMSNorm of the rows of {n.inputs[0]}{weight}")
         elif n.op is Op.BMM:
             batch = n.attrs["blas"]["batch"]
-            lines.append(f"  {n.name}: cblas_sgemm_batch {n.inputs[0]} @ {n.inputs[1]}, {batch} matrices")
+            own = n.attrs.get("own_kernel")
+            call = "braze's GEMM kernel (MKL's order), matrix by matrix," if own else "cblas_sgemm_batch"
+            lines.append(f"  {n.name}: {call} {n.inputs[0]} @ {n.inputs[1]}, {batch} matrices")
     return "\n".join(lines) or "  (no native kernels)"
 
 

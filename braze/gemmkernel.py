@@ -550,6 +550,31 @@ def _same(shapes: tuple[tuple[int, int, int], ...], linear: bool, threads: int) 
     return True
 
 
+Layout = tuple[tuple[int, ...], tuple[int, ...]]  # a tensor's sizes and strides
+
+
+def same_batched(b1: Layout, b2: Layout) -> bool:
+    """Whether the kernel, matrix by matrix, gives torch.bmm's bits for operands of these layouts
+    (b1's matrices row-major; b2's [K, N] row-major, or [N, K]'s transpose: the `linear` kernel):
+    random values and special ones (as `same`) at the program's own sizes. Once per process,
+    thread count and layouts."""
+    return _same_batched(b1, b2, jit.mkl_threads())
+
+
+@functools.cache
+def _same_batched(b1: Layout, b2: Layout, threads: int) -> bool:  # threads: in the key
+    gen = torch.Generator().manual_seed(0)
+    (batch, m, k), n = b1[0], b2[0][2]
+    x, w = torch.empty_strided(*b1), torch.empty_strided(*b2)
+    x.copy_(_varied(batch * m, k, gen).view(batch, m, k))
+    w.copy_(_varied(batch * k, n, gen).view(batch, k, n) * 0.1)
+    x[0, 0, : min(k, len(SPECIAL))] = torch.tensor(SPECIAL[: min(k, len(SPECIAL))])
+    x[0, 1] = -0.0
+    linear = w.stride(1) == 1  # each matrix the transpose of a row-major [N, K]
+    ours = torch.stack([gemm(x[i], w[i].t() if linear else w[i], None, linear) for i in range(batch)])
+    return jit.same_bits(ours, torch.bmm(x, w), nan_payloads=False)
+
+
 def _varied(rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Random [rows, k] whose rows repeat after PERIOD: each sum over K still meets random
     values in its own order, which is what a probe tells apart, and a program's large GEMMs

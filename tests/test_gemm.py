@@ -274,6 +274,59 @@ def test_bmm_aten_computes_otherwise_runs_through_aten(a, b):
     check_model(torch.matmul, (a, b))
 
 
+def _bmm_own(compiled, program: int = -1) -> list:
+    kernels = [k for s in compiled.programs()[program].segments for k in s.kernels]
+    return [k.attrs.get("own_kernel") for k in kernels if k.op is Op.BMM]
+
+
+@pytest.mark.parametrize(
+    "batch,m,k,n", [(2, 16, 2, 16), (3, 17, 33, 31), (16, 128, 64, 128), (5, 33, 193, 40), (2, 257, 385, 17)]
+)
+@pytest.mark.parametrize("b_t", [False, True])
+def test_bmm_of_row_major_matrices_is_braze_kernel_with_eagers_bits(batch, m, k, n, b_t, threads):
+    needs_mkl_order()
+    # Matrix by matrix in MKL's order, the batch's rows split between the threads (a thread's
+    # share may end inside a matrix): scores (keys transposed, b_t) and values of attention,
+    # with NaN, infinities, signed zeros and denormals in the first matrices' rows.
+    a, b = _batch(batch, m, k, False), _batch(batch, k, n, b_t)
+    a[0, 0, :5] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-41, -float("inf")])[: min(k, 5)]
+    a[-1, -1] = -0.0
+    for t in (1, 2):
+        threads(t)
+        compiled = check_model(torch.bmm, (a, b), kernels=1, externs=0)
+        assert _bmm_own(compiled) == [True]
+        check_model(lambda x, y: (x @ y).relu(), (a, b), kernels=2, externs=0)
+    assert "braze's GEMM kernel (MKL's order), matrix by matrix" in braze.explain(torch.bmm, a, b)
+
+
+def test_bmm_is_mkls_where_the_kernel_cannot_or_its_probe_disagrees(threads, monkeypatch):
+    from braze import gemmkernel
+
+    threads(2)
+    a, b = _batch(4, 32, 24, False), _batch(4, 24, 40, False)
+    at = _batch(4, 32, 24, True)  # row-major transposes: MKL's other operand layout
+    assert _bmm_own(check_model(torch.bmm, (at, b), kernels=1, externs=0)) == [False]
+    assert _bmm_own(check_model(torch.bmm, (a[:, :8], b), kernels=1, externs=0)) == [False]  # < 16 rows
+    with config.patch(own_gemm=False):
+        assert _bmm_own(check_model(torch.bmm, (a, b), kernels=1, externs=0)) == [False]
+    monkeypatch.setattr(gemmkernel, "same_batched", lambda b1, b2: False)
+    assert _bmm_own(check_model(torch.bmm, (a, b), kernels=1, externs=0)) == [False]
+
+
+def test_bmm_on_the_kernel_follows_the_thread_count(threads):
+    needs_mkl_order()
+    # Probed at MKL's thread count: on another, a program of its own (its own probe)
+    threads(2)
+    a, b = _batch(4, 32, 24, False), _batch(4, 24, 40, True)
+    compiled = check_model(torch.bmm, (a, b), kernels=1, externs=0)
+    threads(1)
+    check_model(torch.bmm, (a, b), compiled=compiled)
+    assert len(compiled.programs()) == 2
+    threads(2)
+    check_model(torch.bmm, (a, b), compiled=compiled)
+    assert len(compiled.programs()) == 2 and _bmm_own(compiled, 0) == [True]
+
+
 @pytest.mark.parametrize("heads_first", [True, False])
 def test_matmul_of_more_batch_dimensions_is_one_bmm(heads_first):
     # Attention written by hand: (batch, heads, seq, dim) @ its keys transposed. ATen reshapes

@@ -297,8 +297,12 @@ class GemmEmitter:
     # --- BMM ---------------------------------------------------------------------------------
     def _bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
         """ATen's bmm for float32 (see lowering.gemm.bmm_blas_args): one cblas_sgemm_batch call, one
-        group, with per-matrix pointers (batch2's as A, batch1's as B: column-major BLAS)."""
+        group, with per-matrix pointers (batch2's as A, batch1's as B: column-major BLAS); or
+        braze's GEMM kernel (_own_bmm)."""
         blas = k.attrs["blas"]
+        if k.attrs.get("own_kernel"):
+            self._own_bmm(b, table, k)
+            return
         batch, c = blas["batch"], self.slot_of(k.name)
         strides = {"a": blas["stride_a"], "b": blas["stride_b"], "c": c.meta.stride[0]}
         arrays = {}
@@ -332,6 +336,26 @@ class GemmEmitter:
             _ref(b, I32, b.trunc(count, I32)),
         ]
         self._blas(b, "cblas_sgemm_batch", [I32] + [PTR] * 13 + [I32, PTR], args)
+
+    def _own_bmm(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
+        """gemmkernel's kernel in place of cblas_sgemm_batch (lowering.gemm._own_bmm: fixed sizes),
+        matrix by matrix: batch1's rows, all matrices' one after another, split between ATen's
+        threads (a thread's range may start or end inside a matrix: the kernel computes any
+        rows of it), each matrix's by its batch2 matrix, [K, N] or the transpose of [N, K]."""
+        from .. import gemmkernel  # built on this module's helpers
+
+        blas = k.attrs["blas"]
+        rows, cols, depth, batch = blas["n"], blas["m"], blas["k"], blas["batch"]
+        fn = self.kernel(gemmkernel, gemmkernel.NAME_NK if blas["ta"] else gemmkernel.NAME, gemmkernel.ARGS)
+        x, w, c = self.slot_of(k.inputs[0]), self.slot_of(k.inputs[1]), self.slot_of(k.name)
+        steps = ((x, blas["stride_b"]), (w, blas["stride_a"]), (c, c.meta.stride[0]))
+        with self._clocked(b), self._ranged(b, table, "own_bmm", batch * rows * cols * depth, batch * rows) as ranged:
+            kb, tbl, lo, hi = ranged
+            with pieces(kb, lo, hi, I64(rows)) as (i, _, first, end):
+                at = lambda t, step: kb.gep(self.pointer(kb, tbl, t), [kb.mul(i, I64(step))], source_etype=F32)  # noqa: E731
+                x_i, w_i, c_i = (at(t, step) for t, step in steps)
+                sizes = [I64(blas["ldc"]), ll.Constant(PTR, None), I64(0), I64(cols), I64(depth)]
+                kb.call(fn, [x_i, I64(blas["ldb"]), w_i, I64(blas["lda"]), c_i, *sizes, first, end, I64(0)])
 
 
 CBLAS_COL_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 102, 111, 112

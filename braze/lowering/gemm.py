@@ -355,7 +355,25 @@ def _bmm(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
     args = bmm_blas_args(TensorMeta.of(out), TensorMeta.of(b1.meta), TensorMeta.of(b2.meta))
     if args is None:
         raise NotNative("a bmm ATen computes without MKL's batched GEMM")
-    return lw.emit(Op.BMM, (b1.name, b2.name), out, blas=args)
+    return lw.emit(Op.BMM, (b1.name, b2.name), out, blas=args, own_kernel=_own_bmm(args, b1.meta, b2.meta))
+
+
+def _own_bmm(blas: dict[str, Any], b1: torch.Tensor, b2: torch.Tensor) -> bool:
+    """Whether braze's GEMM kernel computes this bmm in place of cblas_sgemm_batch, matrix by
+    matrix, the batch's rows split between ATen's threads: for a batch of fixed sizes and
+    strides whose first operand's matrices are row-major, sizes where sgemm_'s path is the one
+    the kernel reproduces, and where its probe (these layouts, MKL's thread count: the entry
+    checks it) gives ATen's bits. MKL's batched GEMM ran the attention products of
+    `transformer-layer` at ~100 GFLOP/s (docs/limits.md), the kernel at ~200."""
+    if not config.own_gemm or blas["tb"]:
+        return False
+    layouts = ((tuple(b1.shape), b1.stride()), (tuple(b2.shape), b2.stride()))
+    if not all(isinstance(d, int) for shape, stride in layouts for d in (*shape, *stride)):
+        return False
+    rows, cols, depth = blas["n"], blas["m"], blas["k"]  # (BLAS sees the transpose)
+    if rows < gemmkernel.MIN_ROWS or cols < gemmkernel.MIN_N or depth < gemmkernel.MIN_K:
+        return False
+    return gemmkernel.same_batched(*layouts)
 
 
 def _linear_parts(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
