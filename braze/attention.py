@@ -23,11 +23,14 @@ torch.OutOfMemoryError).
 
 from __future__ import annotations
 
+import ctypes
+import struct
 from collections.abc import Callable
 
 import llvmlite.ir as ll
+import torch
 
-from . import jit
+from . import gemmkernel, jit
 from .codegen import (
     F32,
     I1,
@@ -40,6 +43,7 @@ from .codegen import (
     combine_lanes,
     counted_loop,
     declared,
+    fma,
     gather,
     lanes_below,
     masked_load,
@@ -52,6 +56,7 @@ from .gemmkernel import block_kernel, carried
 
 NAME = "braze_attention"
 NAMES = [NAME, f"{NAME}_bool", f"{NAME}_float"]  # by kind of mask: none, boolean, additive float
+EXACT = f"{NAME}_exact"  # exact mode's: ATen's flash attention's arithmetic, no mask, not causal
 # Queries per block (24 accumulators; 6 rows: 12, 7-9% slower, one thread, BERT's and ViT's
 # shapes), keys or head dimensions per panel. A last block of 7-11 queries is the kernels of 6
 # rows and of the rest: only these heights are built (all twelve took 259 ms to build, six 124).
@@ -118,6 +123,104 @@ def _softmax_rows(
         b.store(inverse_sum, b.gep(inverse, [r], source_etype=F32))
 
 
+# Vectorized<float>::exp_u20 (ATen's vec512_float.h), exact mode's exp in the vector body of
+# the flash kernel's _exp_reduce_sum_fusion_kernel: its clamps, x = n ln2 + r with n = floor(x
+# log2e + 0.5), a degree-5 polynomial of r by FMAs, times 2^(n - 1), times 2
+_LOG2E, _LN2 = 0x3FB8AA3B, 0x3F317218
+_LN_FLT_MIN, _LN_FLT_MAX = 0xC2AEAC50, 0x42B17218
+F64 = ll.DoubleType()
+_POLY = (0.00828929059, 0.0418978221, 0.166676521, 0.499991506, 0.999999701, 1.0)
+
+
+def _bits(word: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", word))[0]
+
+
+def _exp_u20(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
+    """exp_u20 of 16 floats, operation for operation (min/max as the x86 instructions order
+    their operands: a NaN becomes the upper clamp; below ln(FLT_MIN) the result is 0)."""
+    const = lambda v: splat(b, F32(v), 16)  # noqa: E731
+    low, high = const(_bits(_LN_FLT_MIN)), const(_bits(_LN_FLT_MAX))
+    below = b.fcmp_ordered("<", x, low)
+    src = b.select(b.fcmp_ordered("<", x, high), x, high)  # _mm512_min_ps(x, high)
+    src = b.select(b.fcmp_ordered(">", src, low), src, low)  # _mm512_max_ps(src, low)
+    fx = b.call(
+        declared(b.module, "llvm.floor.v16f32", LANES16, [LANES16]), [fma(b, src, const(_bits(_LOG2E)), const(0.5))]
+    )
+    r = fma(b, b.fneg(fx), const(_bits(_LN2)), src)  # _mm512_fnmadd_ps(fx, ln2, src)
+    p = fma(b, r, const(_POLY[0]), const(_POLY[1]))
+    for c in _POLY[2:]:
+        p = fma(b, r, p, const(c))
+    i32s = ll.VectorType(I32, 16)
+    n = b.fptosi(b.fsub(fx, const(1.0)), i32s)
+    power = b.bitcast(b.shl(b.add(n, splat(b, I32(127), 16)), splat(b, I32(23), 16)), LANES16)
+    power = b.select(below, const(0.0), power)
+    res = b.fmul(p, power)
+    return b.fadd(res, res)
+
+
+def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
+    """at::vec::maximum: _mm512_max_ps(x, y) (x where x > y, else y), NaN (all ones) where either is."""
+    top = b.select(b.fcmp_ordered(">", x, y), x, y)
+    nan = b.bitcast(ll.Constant(ll.VectorType(I32, 16), [-1] * 16), LANES16)
+    return b.select(b.fcmp_unordered("uno", x, y), nan, top)
+
+
+def _softmax_rows_exact(
+    b: ll.IRBuilder, scores: ll.Value, rows: ll.Value, s: ll.Value, spad: ll.Value, scale: ll.Value, inverse: ll.Value
+) -> None:
+    """ATen's flash attention on each of `rows` rows of s scores (spad apart; one block of keys,
+    no mask; FlashAttentionKernel.cpp, its AVX512 build): z = score * scale stored, its max (a
+    vector body of 16-lane at::vec::maximum and its lane tree, then a scalar tail that ignores
+    NaN; a NaN in the body makes the max NaN), exp_u20(z - max) on the body, (float) exp((double)
+    (z - max)) on the tail, their sum (16 lanes in column order, the lane tree, then the tail in
+    order), and 1 / sum (1 where the sum is 0) to inverse[row]; a row whose max is -inf has
+    weights 0 and sum 0."""
+    exp = declared(b.module, "exp", F64, [F64])
+    low, zero = ll.Constant(LANES16, [float("-inf")] * 16), ll.Constant(LANES16, [0.0] * 16)
+    factor = splat(b, scale, 16)
+    body = b.mul(b.sdiv(s, I64(16)), I64(16))
+    with counted_loop(b, I64(0), rows) as r:
+        row = b.gep(scores, [b.mul(r, spad)], source_etype=F32)
+        at = lambda t: b.gep(row, [t], source_etype=F32)  # noqa: E731
+
+        def scaled(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+            z = b.fmul(b.load(at(t), typ=LANES16, align=4), factor)
+            b.store(z, at(t), align=4)
+            return [_maximum(b, acc[0], z)]
+
+        def scaled_tail(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+            z = b.fmul(b.load(at(t), typ=F32), scale)
+            b.store(z, at(t))
+            return [b.select(b.fcmp_ordered(">", z, acc[0]), z, acc[0])]
+
+        (lanes,) = carried(b, I64(0), body, 16, [low], scaled)
+        top = combine_lanes(b, lanes, lambda x, y: _maximum(b, x, y))
+        (tail,) = carried(b, body, s, 1, [F32(float("-inf"))], scaled_tail)
+        nan = b.fcmp_unordered("uno", top, top)
+        top = b.select(nan, F32(float("nan")), b.select(b.fcmp_ordered("<", tail, top), top, tail))
+        empty = b.fcmp_ordered("==", top, F32(float("-inf")))
+        shift = splat(b, top, 16)
+
+        def exps(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+            e = _exp_u20(b, b.fsub(b.load(at(t), typ=LANES16, align=4), shift))
+            e = b.select(splat(b, empty, 16), zero, e)
+            b.store(e, at(t), align=4)
+            return [b.fadd(acc[0], e)]
+
+        def exps_tail(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
+            d = b.fpext(b.fsub(b.load(at(t), typ=F32), top), F64)
+            e = b.select(empty, F32(0.0), b.fptrunc(b.call(exp, [d]), F32))
+            b.store(e, at(t))
+            return [b.fadd(acc[0], e)]
+
+        (lanes,) = carried(b, I64(0), body, 16, [zero], exps)
+        (total,) = carried(b, body, s, 1, [combine_lanes(b, lanes, b.fadd)], exps_tail)
+        total = b.select(nan, F32(float("nan")), b.select(empty, F32(0.0), total))  # (the rescale's fmaf)
+        total = b.select(b.fcmp_ordered("==", total, F32(0.0)), F32(1.0), total)
+        b.store(b.fdiv(F32(1.0), total), b.gep(inverse, [r], source_etype=F32))
+
+
 def _masking(b: ll.IRBuilder, kind: int, base: ll.Value, stride: ll.Value, first: ll.Value) -> Callable:
     """mask(row, t, z, lanes): z where there is no mask (kind 0); z where a boolean mask is true,
     -inf where false (kind 1); z plus a float mask (kind 2). The mask's row `first + row` starts at
@@ -138,11 +241,13 @@ def _masking(b: ll.IRBuilder, kind: int, base: ll.Value, stride: ll.Value, first
     return mask
 
 
-def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.Function:
+def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: bool) -> ll.Function:
     """(q, ldq, k, ldk, v, ldv, out, ldo, mask, ldm, first, end, S, d, scale, causal, packed,
     scores): queries [first, end) of one (batch, head), its keys packed already. Causal: query i
     sees keys 0..i (PyTorch's is_causal, aligned at the top left). Mask `kind`: none, a boolean
-    or an additive float one (rows ldm apart, see _masking)."""
+    or an additive float one (rows ldm apart, see _masking). `exact`: ATen's flash attention's
+    softmax (_softmax_rows_exact) and its product by v in MKL's order (gemmkernel's kernel), for
+    one block of keys without mask or causality (lowering/attention.py checks)."""
     args = [PTR, I64] * 5 + [I64] * 4 + [F32, I64, PTR, PTR]
     f = ll.Function(module, ll.FunctionType(VOID, args), f"{NAME}_head{kind}")
     f.linkage = "internal"
@@ -174,13 +279,19 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
             col = b.mul(p, I64(NR))
             keys = at(packed, b.mul(col, d))
             block([at(q, b.mul(i, ldq)), ldq, keys, I64(NR), d, at(scores, col), spad, b.sub(limit, col)])
-        row_limit = lambda r: b.select(causal, smaller(b, s, b.add(b.add(i, r), I64(1))), s)  # noqa: E731
-        masking = _masking(b, kind, mask, ldm, i)
-        _softmax_rows(b, scores, height, row_limit, limit, spad, scale, masking, inverse)
         rows = at(out, b.mul(i, ldo))
-        with counted_loop(b, I64(0), b.sdiv(d, I64(NR))) as p:
-            col = b.mul(p, I64(NR))
-            block([scores, spad, at(v, col), ldv, limit, at(rows, col), ldo, I64(NR)])
+        if exact:  # sgemm_(N, N) of v by the weights, as ATen calls it: K in MKL's blocks
+            _softmax_rows_exact(b, scores, height, s, spad, scale, inverse)
+            product = declared(module, gemmkernel.NAME, VOID, gemmkernel.ARGS)
+            null = ll.Constant(PTR, None)
+            b.call(product, [scores, spad, v, ldv, rows, ldo, null, I64(0), d, s, I64(0), height, I64(0)])
+        else:
+            row_limit = lambda r: b.select(causal, smaller(b, s, b.add(b.add(i, r), I64(1))), s)  # noqa: E731
+            masking = _masking(b, kind, mask, ldm, i)
+            _softmax_rows(b, scores, height, row_limit, limit, spad, scale, masking, inverse)
+            with counted_loop(b, I64(0), b.sdiv(d, I64(NR))) as p:
+                col = b.mul(p, I64(NR))
+                block([scores, spad, at(v, col), ldv, limit, at(rows, col), ldo, I64(NR)])
         with counted_loop(b, I64(0), height) as r:
             factor = splat(b, b.load(b.gep(inverse, [r], source_etype=F32), typ=F32), 16)
             row = at(rows, b.mul(r, ldo))
@@ -191,12 +302,12 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function]) -> ll.F
     return f
 
 
-def _entry(module: ll.Module, kind: int) -> None:
-    """NAMES[kind]: the kernel for one kind of mask (each is built when first needed)."""
-    head = _head(module, kind, {mr: block_kernel(module, NAME, mr) for mr in HEIGHTS})
+def _entry(module: ll.Module, kind: int, exact: bool = False) -> None:
+    """NAMES[kind]: the kernel for one kind of mask (each is built when first needed); EXACT."""
+    head = _head(module, kind, {mr: block_kernel(module, NAME, mr) for mr in HEIGHTS}, exact)
     malloc = declared(module, "malloc", PTR, [I64])
     free = declared(module, "free", VOID, [PTR])
-    f = ll.Function(module, ll.FunctionType(VOID, ARGS), NAMES[kind])
+    f = ll.Function(module, ll.FunctionType(VOID, ARGS), EXACT if exact else NAMES[kind])
     q, k, v, out, mask, heads, group, t_, s, d, *strides, scale, causal, lo, hi, error = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
@@ -222,6 +333,26 @@ def _entry(module: ll.Module, kind: int) -> None:
     b.ret_void()
 
 
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """EXACT on float32 [B, H, T, d] q and [B, H, S, d] k, v (rows contiguous), on one thread (probes)."""
+    (batch, heads, queries, d), keys = q.shape, k.shape[2]
+    out = torch.empty(batch, heads, queries, d)
+    error = ctypes.c_int64(0)
+    words = [ctypes.c_int64] * 20
+    kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, *words, ctypes.c_float, *words[:3], ctypes.c_void_p)
+    strides = [s for t in (q, k, v, out) for s in t.stride()[:3]] + [0, 0, 0]
+    sizes = (heads, 1, queries, keys, d)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None)
+    kernel(library(EXACT))(*pointers, *sizes, *strides, scale, 0, 0, batch * heads * queries, ctypes.addressof(error))
+    if error.value:
+        raise torch.OutOfMemoryError("attention's scratch memory")
+    return out
+
+
 def library(kernel: str) -> int:
-    """The kernel's address (jit.kernel: built alone when first needed)."""
+    """The kernel's address (jit.kernel: built alone when first needed; EXACT after the GEMM
+    kernel it calls)."""
+    if kernel == EXACT:
+        gemmkernel.library(gemmkernel.NAME)
+        return jit.kernel(kernel, lambda module: _entry(module, 0, exact=True))
     return jit.kernel(kernel, lambda module: _entry(module, NAMES.index(kernel)))

@@ -43,6 +43,9 @@ one_thread_gemm_flops: int = _env_int("BRAZE_ONE_THREAD_GEMM_FLOPS", 1 << 19)
 # GEMMs of a weight (linear's [N, K], GPT-2's Conv1D [K, N]) run braze's own kernel in MKL's order
 # of operations (gemmkernel.py) where its probe gives eager's bits; 0: always MKL's sgemm_.
 own_gemm: bool = bool(_env_int("BRAZE_OWN_GEMM", 1))
+# Exact mode's scaled_dot_product_attention runs braze's kernel of ATen's flash attention
+# (attention.py) where its probe gives eager's bits; 0: always ATen's call.
+exact_attention: bool = bool(_env_int("BRAZE_EXACT_ATTENTION", 1))
 # A model captured through TorchDynamo skips its guards on calls where a witness of what they
 # read shows nothing changed (guardmemo.py); 0: TorchDynamo's guards run on every call.
 guard_memo: bool = bool(_env_int("BRAZE_GUARD_MEMO", 1))
@@ -83,6 +86,7 @@ _KNOBS = (
     "release_gil_flops",
     "one_thread_gemm_flops",
     "own_gemm",
+    "exact_attention",
     "guard_memo",
     "huge_scratch",
     "disable_native",

@@ -97,6 +97,7 @@ class EntrySpec:
     matmul_precision: int  # jit.matmul_precision() the GEMMs were compiled for; -1: no GEMM
     mkl_threads: int  # jit.mkl_threads() the GEMMs' calls were probed at (one thread, own kernel); -1: none
     mkldnn: int  # torch.backends.mkldnn's flag the program needs (GELU: enabled; convolutions: as compiled); -1: none
+    flash: int  # 1: the program computes ATen's flash attention, which eager runs only while enabled; -1: none
     # (slot, layout as words, -1) of each output allocated per call and returned, or (-1, layout,
     # the table word of its handle) of one that an ATen call of the native body returned
     outputs: tuple[tuple[int, TensorMeta, int], ...]
@@ -134,7 +135,7 @@ def ref(slot: int) -> int:
 _FIELDS = (
     "miss on_miss py_body run training n_modules modules oom epoch epoch_value n_args "
     "n_consts const_pos const_types const_values tls_included tls_excluded default_dtype matmul_precision mkl_threads "
-    "mkldnn "
+    "mkldnn flash "
     "n_tensors tensors n_symbols symbols n_int_symbols int_symbols int_type dims n_names names "
     "n_outputs outputs tuple_output n_scratch scratch kept capacity n_slots release_gil busy error_slot index_error "
     "failed_slot retry memo n_memo memo_slots n_owners owners n_hooks hooks huge n_versions versions n_packs packs"
@@ -185,6 +186,7 @@ class Descriptor:
         self.set("matmul_precision", spec.matmul_precision)
         self.set("mkl_threads", spec.mkl_threads)
         self.set("mkldnn", spec.mkldnn)
+        self.set("flash", spec.flash)
         self.set("n_args", spec.n_args)
         self._set_array("symbols", "n_symbols", [w for sym in spec.symbols for w in sym], len(spec.symbols))
         self._set_array(

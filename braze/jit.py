@@ -61,6 +61,9 @@ FP32_PRECISION = "_ZNK2at7Context16float32PrecisionENS_14Float32BackendENS_9Floa
 MKLDNN, MATMUL = 2, 3
 # at::Context::userEnabledMkldnn() const: torch.backends.mkldnn.enabled, which ATen's gelu consults
 MKLDNN_ENABLED = "_ZNK2at7Context17userEnabledMkldnnEv"
+# at::Context::userEnabledFlashSDP() const: torch.backends.cuda.flash_sdp_enabled() (the sdpa_kernel
+# context sets it), which decides whether ATen's CPU attention is its flash kernel or the math one
+FLASH_ENABLED = "_ZNK2at7Context19userEnabledFlashSDPEv"
 FULL_PRECISION = (0, 1)
 # MKL's thread count for its calls from this thread (torch.set_num_threads sets it per thread), and
 # the per-thread override a one-thread GEMM sets around its sgemm_ (it returns the one it replaced).
@@ -136,7 +139,7 @@ def _bind_symbols() -> None:
     ):
         llvm.add_symbol(name, _address(cpu, name))
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
-    for name in ("expf", "tanhf", "erff"):  # ATen's scalar tails call them
+    for name in ("expf", "tanhf", "erff", "exp"):  # ATen's scalar tails call them
         llvm.add_symbol(name, _address(libm, name))
     gomp = _torch_lib("libgomp.so.1")
     for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads"):
@@ -146,7 +149,7 @@ def _bind_symbols() -> None:
     for name in _SHIM:
         llvm.add_symbol(name, _address(cpu, name))
     llvm.add_symbol(WRAP, _address(_torch_lib("libtorch_python.so"), WRAP))
-    for name in (FN_MODE, GLOBAL_CONTEXT, FP32_PRECISION, MKLDNN_ENABLED):
+    for name in (FN_MODE, GLOBAL_CONTEXT, FP32_PRECISION, MKLDNN_ENABLED, FLASH_ENABLED):
         llvm.add_symbol(name, _address(cpu, name))
     for name in (REQUIRES_GRAD, DEFAULT_DTYPE, TLS_GUARD, TLS_GUARD_END):
         llvm.add_symbol(name, _address(_torch_lib("libc10.so"), name))

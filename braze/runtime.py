@@ -350,6 +350,7 @@ class Program:
             matmul_precision=matmul_precision() if self._gemms() else -1,
             mkl_threads=mkl_threads() if self._probed_gemms() else -1,
             mkldnn=int(torch.backends.mkldnn.enabled) if self._onednn() else -1,
+            flash=1 if any(k.attrs.get("exact") for s in self.segments for k in s.kernels) else -1,
             outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=scratch if self.native else (),
@@ -486,9 +487,10 @@ class Program:
 
     def _probed_gemms(self) -> bool:
         """Whether a GEMM's call was chosen by a probe at MKL's thread count (on another count,
-        eager's MKL may add in another order): one on one thread, braze's own kernel, or exact
-        mode's 1 x 1 convolution as MKL's sgemm_ (on another count ATen may take oneDNN's path)."""
-        probed = ("one_thread", "one_thread_sizes", "own_kernel", "convolution")
+        eager's MKL may add in another order): one on one thread, braze's own kernel, exact
+        mode's 1 x 1 convolution as MKL's sgemm_ (on another count ATen may take oneDNN's path)
+        or its attention (ATen's flash kernel calls MKL)."""
+        probed = ("one_thread", "one_thread_sizes", "own_kernel", "convolution", "exact")
         return any(k.attrs.get(a) for s in self.segments for k in s.kernels for a in probed)
 
     def _onednn(self) -> bool:

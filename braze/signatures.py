@@ -57,15 +57,22 @@ class Compilation:
     ms: float
 
 
-_STATE = ("the default dtype", "ATen's float32 matmul precision", "MKL's thread count", "torch.backends.mkldnn.enabled")
+_STATE = (
+    "the default dtype",
+    "ATen's float32 matmul precision",
+    "MKL's thread count",
+    "torch.backends.mkldnn.enabled",
+    "ATen's flash attention enabled",
+)
 
 
 def global_state() -> tuple:
     """The process's settings a program's bits depend on, after the default dtype (the trace's):
     GEMMs are native only in full float32 matmul precision, and small ones run on one thread where
     MKL's thread count gives the same bits; gelu's erf form is oneDNN's only while oneDNN is
-    enabled. A program per combination (the entry checks each one its program depends on)."""
-    return (jit.matmul_precision(), jit.mkl_threads(), torch.backends.mkldnn.enabled)
+    enabled; exact mode's attention is ATen's flash kernel's only while that is enabled. A program
+    per combination (the entry checks each one its program depends on)."""
+    return (jit.matmul_precision(), jit.mkl_threads(), torch.backends.mkldnn.enabled, torch._C._get_flash_sdp_enabled())
 
 
 def difference(old: tuple | None, new: tuple) -> str:

@@ -494,14 +494,16 @@ class ModuleBuilder(GemmEmitter):
             kb.call(fn, [*ptrs, bias, y, *dims_, *window, has_bias, lo, hi, *(self.dim(kb, tbl, d) for d in few)])
 
     def _attention(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """attention.py's kernel over the (batch, head, query) rows, split between threads."""
+        """attention.py's kernel (fast mode's, or exact mode's) over the (batch, head, query) rows,
+        split between threads."""
         from .. import attention  # built on this module's helpers
 
         operands = [self.slot_of(name) for name in (*k.inputs[:3], k.name)]
         (batch, heads, queries, d), (kv_heads, keys) = k.meta.shape, operands[1].meta.shape[1:3]
         mask = self.slot_of(k.inputs[3]) if k.attrs["mask"] else None
         with self._ranged(b, table, "attention", k.meta.numel, batch * heads * queries) as (kb, tbl, lo, hi):
-            fn = self.kernel(attention, attention.NAMES[k.attrs["mask"]], attention.ARGS)
+            name = attention.EXACT if k.attrs.get("exact") else attention.NAMES[k.attrs["mask"]]
+            fn = self.kernel(attention, name, attention.ARGS)
             dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             ptrs = [self.pointer(kb, tbl, a) for a in operands]
             ptrs.append(ll.Constant(PTR, None) if mask is None else self._mask_pointer(kb, tbl, mask))

@@ -31,6 +31,7 @@ from ..entry import (
 from ..jit import (
     DEFAULT_DTYPE,
     DICT_VERSION_OFFSET,
+    FLASH_ENABLED,
     FN_MODE,
     FP32_PRECISION,
     GLOBAL_CONTEXT,
@@ -298,13 +299,15 @@ class Runtime:
         compiled for; MKL's thread count its one-thread GEMMs and braze's own GEMM kernels were
         probed at (on another count, eager's GEMMs may give other bits); torch.backends.mkldnn's
         flag, where its GELU is the oneDNN kernel's (which eager runs only while enabled) or its
-        convolutions follow the path ATen takes with the flag as compiled."""
+        convolutions follow the path ATen takes with the flag as compiled; ATen's flash attention
+        enabled, where its attention is that kernel's (without it eager runs the math one)."""
         context = lambda: b.call(self.mb.declare(GLOBAL_CONTEXT, PTR, []), [])  # noqa: E731
         precision = self.mb.declare(FP32_PRECISION, I32, [PTR, I32, I32])
         reads = {
             "matmul_precision": lambda: b.call(precision, [context(), I32(MKLDNN), I32(MATMUL)]),
             "mkl_threads": lambda: b.call(self.mb.declare(MKL_THREADS, I32, []), []),
             "mkldnn": lambda: b.call(self.mb.declare(MKLDNN_ENABLED, I8, [PTR]), [context()]),
+            "flash": lambda: b.call(self.mb.declare(FLASH_ENABLED, I8, [PTR]), [context()]),
         }
         for field, read in reads.items():
             want = self.field(b, d, field)

@@ -1,14 +1,18 @@
-"""scaled_dot_product_attention: ATen's call in exact mode (its flash attention's bits are not
-reproduced); fast mode's own kernel (attention.py): causal or not, with a boolean or additive
-float mask or none, grouped key and value heads, no dropout."""
+"""scaled_dot_product_attention: in exact mode ATen's flash attention, braze's kernel of its
+arithmetic (attention.EXACT) where its probe agrees (fixed sizes, one block of keys, no mask, not
+causal; docs/aten-bits.md), else ATen's call; fast mode's own kernel (attention.py): causal or
+not, with a boolean or additive float mask or none, grouped key and value heads, no dropout."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from typing import Any
 
 import torch
 
+from .. import attention, config, jit
 from ..ir import Node, Op, contiguous_strides
 from .core import Lowerer, NotNative, Sym, is_float32
 
@@ -16,9 +20,9 @@ _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 
 
 def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    if not lw.fast:
-        raise NotNative("exact mode: ATen's flash attention (its bits are not reproduced)")
     given = dict(zip(_ARGS, args)) | kwargs
+    if not lw.fast:
+        return _exact(lw, given, out)
     q, k, v, mask = given["query"], given["key"], given["value"], given.get("attn_mask")
     causal, grouped = given.get("is_causal", False), given.get("enable_gqa", False)
     if given.get("dropout_p", 0.0) != 0.0 or not isinstance(causal, bool) or not isinstance(grouped, bool):
@@ -55,6 +59,76 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
     scale = given.get("scale")
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
     return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=causal, mask=kind)
+
+
+def _exact(lw: Lowerer, given: dict, out: Any) -> Sym:
+    """Exact mode: attention.EXACT, where it gives ATen's bits (else ATen's call, why said)."""
+    why = _exact_refusal(given, out)
+    if why is None:
+        q, k = given["query"], given["key"]
+        scale = _flash_scale(q.meta.shape[3], given.get("scale"))
+        if _same(tuple(q.meta.shape), k.meta.shape[2], scale):
+            inputs = (q.name, k.name, given["value"].name)
+            return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=False, mask=0, exact=True)
+        why = "its probe at these sizes disagrees"
+    raise NotNative(f"exact mode: ATen's flash attention ({why})")
+
+
+def _exact_refusal(given: dict, out: Any) -> str | None:
+    """Why braze's kernel cannot reproduce this call of ATen's flash attention, or None. It
+    computes one block of keys (ATen's are 512), with MKL's order in both products: every block
+    of queries at least 4 (ATen's are 32, 64 from 192 queries, 256 from 768) and at least 12 keys
+    (MKL's other paths below). Fixed sizes: a generic program's could leave those."""
+    q, k, v = given["query"], given["key"], given["value"]
+    if not config.exact_attention:
+        return "config.exact_attention is off (and in a program generic in its sizes)"
+    if given.get("attn_mask") is not None or given.get("is_causal", False) is not False:
+        return "a mask or causal attention"
+    if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False) is not False:
+        return "dropout or grouped heads"
+    if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
+        return "tensors that are not float32"
+    if not torch._C._get_flash_sdp_enabled():
+        return "disabled: eager runs the math kernel"
+    metas = (q.meta, k.meta, v.meta, out)
+    if any(m.dim() != 4 or m.stride(3) != 1 for m in metas):
+        return "tensors that are not [batch, heads, tokens, d] with contiguous rows"
+    if not all(isinstance(n, int) for m in metas for n in (*m.shape, *m.stride())):
+        return "sizes that change between calls"
+    (batch, heads, queries, d), keys = q.meta.shape, k.meta.shape[2]
+    if k.meta.shape != v.meta.shape or k.meta.shape[:2] != (batch, heads) or k.meta.shape[3] != d:
+        return "keys and values not of the queries' batches, heads and head size"
+    block = 256 if queries >= 768 else 64 if queries >= 192 else 32
+    if queries < 4 or queries % block in (1, 2, 3) or not 12 <= keys <= 512 or d % 32 or d > 192:
+        return "sizes where it takes other paths (blocks of 1-3 queries, under 12 keys) or more than one block of keys"
+    return None
+
+
+def _flash_scale(d: int, scale: Any) -> float:
+    """ATen's scale: the given one, or 1 / sqrt(d) in double; a float32 value either way."""
+    value = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return ctypes.c_float(value).value
+
+
+def _same(shape: tuple[int, ...], keys: int, scale: float) -> bool:
+    return _probe(shape, keys, scale, jit.mkl_threads())
+
+
+@functools.cache
+def _probe(shape: tuple[int, ...], keys: int, scale: float, threads: int) -> bool:  # threads: in the key
+    """Whether attention.EXACT gives ATen's flash attention's bits at these sizes: random queries,
+    keys and values with NaN, infinities, signed zeros, huge values and denormals among them (a
+    row's NaN: its place only). Once per process, sizes, scale and MKL's thread count."""
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, queries, d = shape
+    q, k, v = (torch.randn(batch, heads, n, d, generator=gen) for n in (queries, keys, keys))
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e30, 3e38, 1e-40])
+    for t in (q, k, v):
+        flat = t.view(-1)
+        at = torch.randint(0, flat.numel(), (max(1, flat.numel() // 256),), generator=gen)
+        flat[at] = special[torch.randint(0, len(special), at.shape, generator=gen)]
+    eager = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    return jit.same_bits(attention.exact(q, k, v, scale), eager, nan_payloads=False)
 
 
 def _repeated(lw: Lowerer, nodes: dict[str, Node], s: Sym) -> tuple[Sym, int] | None:

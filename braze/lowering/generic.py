@@ -234,8 +234,9 @@ def point_lowering(
         a if i not in want else want[i][-1] if -1 in want[i] else _resized(a, want[i]) for i, a in enumerate(args)
     )
     # Whether a small GEMM runs on one thread, or braze's own kernel, is probed per shape: a
-    # generic program's GEMMs call sgemm_ on MKL's thread count, as eager's do.
-    with config.patch(one_thread_gemm_flops=0, own_gemm=False):
+    # generic program's GEMMs call sgemm_ on MKL's thread count, as eager's do; its attention
+    # is ATen's call (the sizes braze's kernel reproduces depend on the tokens modulo a block).
+    with config.patch(one_thread_gemm_flops=0, own_gemm=False, exact_attention=False):
         return lower(captured, resized)
 
 
