@@ -75,7 +75,7 @@ def _layout(graph: Graph) -> Layout:
             lay.slot[n.name] = lay.tmp_slot[buf]
         else:
             lay.slot[n.name] = len(lay.slot)
-    if any(n.op in pybody.FLAGGING for n in graph.nodes):
+    if any(n.op in pybody.FLAGGING or n.attrs.get("exact_per_call") for n in graph.nodes):
         lay.error = lay.slot["#error"] = len(lay.slot)
     return lay
 
@@ -350,7 +350,7 @@ class Program:
             matmul_precision=matmul_precision() if self._gemms() else -1,
             mkl_threads=mkl_threads() if self._probed_gemms() else -1,
             mkldnn=int(torch.backends.mkldnn.enabled) if self._onednn() else -1,
-            flash=1 if any(k.attrs.get("exact") for s in self.segments for k in s.kernels) else -1,
+            flash=1 if self._flash() else -1,
             outputs=outputs,
             tuple_output=not lowered.out_spec.is_leaf(),
             scratch=scratch if self.native else (),
@@ -491,7 +491,15 @@ class Program:
         mode's 1 x 1 convolution as MKL's sgemm_ (on another count ATen may take oneDNN's path)
         or its attention (ATen's flash kernel calls MKL)."""
         probed = ("one_thread", "one_thread_sizes", "own_kernel", "convolution", "exact")
-        return any(k.attrs.get(a) for s in self.segments for k in s.kernels for a in probed)
+        return self._flash() or any(k.attrs.get(a) for s in self.segments for k in s.kernels for a in probed)
+
+    def _flash(self) -> bool:
+        """Whether braze's kernel of ATen's flash attention may run: in place of its call, or per
+        call in a generic program (eager runs that kernel only while it is enabled)."""
+        kernels = [k for s in self.segments for k in s.kernels]
+        return any(k.attrs.get("exact") for k in kernels) or any(
+            n.attrs.get("exact_per_call") for n in self.graph.nodes
+        )
 
     def _onednn(self) -> bool:
         """Whether the program computes what ATen computes through oneDNN only while
@@ -531,7 +539,10 @@ class Program:
 def _why(n: Node, native: bool) -> str:
     if n.attrs.get("memo"):
         return n.attrs["why"] + "; made once per sizes and kept: its result follows from the sizes alone"
-    return n.attrs["why"] + ("; called from native code" if native else "")
+    why = n.attrs["why"] + ("; called from native code" if native else "")
+    if native and n.attrs.get("exact_per_call"):
+        why += ", or braze's kernel of it where a call's sizes are ones it reproduces"
+    return why
 
 
 def _param_layout(p: torch.Tensor) -> tuple:

@@ -107,18 +107,44 @@ def test_attention_follows_flash_attention_being_disabled(threads):
     assert len(compiled.programs()) == 2
 
 
-def test_attention_of_changing_sizes_stays_one_generic_program(threads):
+@pytest.mark.parametrize("threads_", [1, 2])
+def test_attention_of_changing_sizes_is_one_generic_program_choosing_per_call(threads_, threads, monkeypatch):
     # Which sizes the kernel reproduces depends on the tokens modulo ATen's blocks: a program
-    # generic in them keeps ATen's call (the sizes at which it is lowered all agree), and the
+    # generic in them keeps ATen's call and runs the kernel in its place at the sizes it
+    # reproduces (checked per call; 33, 35, 66 and 7 tokens, a block of 1-3 queries or under 12
+    # keys, and 600, two blocks of keys, are ATen's), as its probes at several sizes agreed. The
     # first call's program, at its own sizes, is the kernel's.
-    threads(2)
+    from braze.lowering import attention as lowering
+
+    threads(threads_)
+    ran, real = [], lowering.per_call
+    monkeypatch.setattr(lowering, "per_call", lambda *a: ran.append(1) or real(*a))
     compiled = braze.compile(_attention)
-    for tokens in (40, 48, 33, 56, 64, 97):
-        check_model(_attention, tuple(torch.randn(1, 2, tokens, 32) for _ in range(3)), compiled=compiled)
+    for tokens in (40, 48, 33, 56, 64, 97, 35, 66, 7, 200, 600, 12):
+        check_model(_attention, tuple(_special(torch.randn(1, 2, tokens, 32)) for _ in range(3)), compiled=compiled)
     assert len(compiled.compilations) == 2, [c.why for c in compiled.compilations]
     first, generic = compiled.programs()
     assert first.family is None and _exact_kernels_of(first) == [True]
-    assert generic.family is not None and len(generic.externs) == 1
+    assert generic.family is not None and generic.native and ran
+    assert "or braze's kernel of it where a call's sizes are ones it reproduces" in generic.externs[0][1]
+    assert [n.attrs.get("exact_per_call") for n in generic.graph.nodes if n.op is Op.EXTERN] == [
+        torch.tensor(32**-0.5).item()
+    ]
+    with sdpa_kernel(SDPBackend.MATH):  # (eager's math kernel: the flash kernel's program must not run)
+        check_model(_attention, tuple(torch.randn(1, 2, 70, 32) for _ in range(3)), compiled=compiled)
+    assert len(compiled.compilations) == 3
+
+
+def test_a_generic_programs_failing_probe_keeps_atens_call(threads, monkeypatch):
+    from braze.lowering import attention as lowering
+
+    threads(2)
+    monkeypatch.setattr(lowering, "_same", lambda shape, keys, scale: keys != 197)
+    compiled = braze.compile(_attention)
+    for tokens in (40, 48, 56):
+        check_model(_attention, tuple(torch.randn(1, 2, tokens, 32) for _ in range(3)), compiled=compiled)
+    generic = compiled.programs()[-1]
+    assert generic.family is not None and not any(n.attrs.get("exact_per_call") for n in generic.graph.nodes)
 
 
 def _exact_kernels_of(program) -> list:

@@ -494,15 +494,21 @@ class ModuleBuilder(GemmEmitter):
             kb.call(fn, [*ptrs, bias, y, *dims_, *window, has_bias, lo, hi, *(self.dim(kb, tbl, d) for d in few)])
 
     def _attention(self, b: ll.IRBuilder, table: ll.Value, k: Node) -> None:
-        """attention.py's kernel (fast mode's, or exact mode's) over the (batch, head, query) rows,
-        split between threads."""
+        operands = [self.slot_of(name) for name in (*k.inputs[:3], k.name)]
+        mask = self.slot_of(k.inputs[3]) if k.attrs["mask"] else None
+        self.attention(b, table, operands, mask, k.attrs)
+
+    def attention(
+        self, b: ll.IRBuilder, table: ll.Value, operands: list[Access], mask: Access | None, attrs: dict
+    ) -> None:
+        """attention.py's kernel (fast mode's, or with attrs["exact"] exact mode's) on q, k, v into
+        out (`operands`), over the (batch, head, query) rows, split between threads."""
         from .. import attention  # built on this module's helpers
 
-        operands = [self.slot_of(name) for name in (*k.inputs[:3], k.name)]
-        (batch, heads, queries, d), (kv_heads, keys) = k.meta.shape, operands[1].meta.shape[1:3]
-        mask = self.slot_of(k.inputs[3]) if k.attrs["mask"] else None
-        with self._ranged(b, table, "attention", k.meta.numel, batch * heads * queries) as (kb, tbl, lo, hi):
-            name = attention.EXACT if k.attrs.get("exact") else attention.NAMES[k.attrs["mask"]]
+        (batch, heads, queries, d), (kv_heads, keys) = operands[3].meta.shape, operands[1].meta.shape[1:3]
+        numel = operands[3].meta.numel
+        with self._ranged(b, table, "attention", numel, batch * heads * queries) as (kb, tbl, lo, hi):
+            name = attention.EXACT if attrs.get("exact") else attention.NAMES[attrs["mask"]]
             fn = self.kernel(attention, name, attention.ARGS)
             dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             ptrs = [self.pointer(kb, tbl, a) for a in operands]
@@ -511,7 +517,7 @@ class ModuleBuilder(GemmEmitter):
             strides += [dim(x) for x in _broadcast_strides(mask.meta)[:3]] if mask else [I64(0)] * 3
             group = kb.sdiv(dim(heads), dim(kv_heads))
             sizes = [dim(heads), group, dim(queries), dim(keys), dim(d)]
-            flags = [F32(k.attrs["scale"]), I64(int(k.attrs["causal"]))]
+            flags = [F32(attrs["scale"]), I64(int(attrs["causal"]))]
             assert self.error_slot is not None
             error = kb.gep(tbl, [I64(self.error_slot)], source_etype=PTR)
             kb.call(fn, [*ptrs, *sizes, *strides, *flags, lo, hi, error])

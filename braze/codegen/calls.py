@@ -244,6 +244,7 @@ class CallEmitter:
         self.push = d("torch_list_push_back", I32, [PTR, I64])
         self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
         self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
+        self.empty = d("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
 
     def run(self, steps: list[Step], handles: list[int], failed: int) -> str:
         fn = ll.Function(self.mb.module, ll.FunctionType(VOID, [PTR]), f"{self.mb.prefix}_run")
@@ -283,6 +284,54 @@ class CallEmitter:
         b.position_at_end(nxt)
 
     def _call(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
+        scale = n.attrs.get("exact_per_call")
+        if scale is None:
+            self._dispatch(b, table, n, call, handle, fail)
+            return
+        with b.if_else(self._flash_sizes(b, table, n)) as (mine, aten):
+            with mine:
+                self._exact_attention(b, table, n, handle, scale, fail)
+            with aten:
+                self._dispatch(b, table, n, call, handle, fail)
+
+    def _flash_sizes(self, b: ll.IRBuilder, table: ll.Value, n: Node) -> ll.Value:
+        """Whether this call's token counts are ones braze's kernel of ATen's flash attention
+        reproduces (lowering/attention.flash_sizes_ok): 12-512 keys, every block of queries
+        (32; 64 from 192 queries, 256 from 768) at least 4."""
+        from ..lowering.attention import ARGS
+
+        given = dict(zip(ARGS, n.attrs["args"])) | n.attrs["kwargs"]
+        queries, keys = (self.mb.dim(b, table, self.mb.slot_of(given[a].name).meta.shape[2]) for a in ("query", "key"))
+        big = lambda t: b.icmp_signed(">=", queries, I64(t))  # noqa: E731
+        block = b.select(big(768), I64(256), b.select(big(192), I64(64), I64(32)))
+        rest = b.srem(queries, block)
+        blocks = b.or_(b.icmp_signed("==", rest, I64(0)), b.icmp_signed(">=", rest, I64(4)))
+        ok = b.and_(b.and_(big(4), blocks), b.icmp_signed(">=", keys, I64(12)))
+        return b.and_(ok, b.icmp_signed("<=", keys, I64(512)))
+
+    def _exact_attention(
+        self, b: ll.IRBuilder, table: ll.Value, n: Node, handle: int, scale: float, fail: ll.Block
+    ) -> None:
+        """braze's kernel in place of ATen's call: its result made as ATen lays it out (the
+        layout compiled for), the handle in the call's word, as the call's would be."""
+        from ..lowering.attention import ARGS
+
+        m = n.meta
+        sizes, strides = self._shape(b, table, m.shape), self._shape(b, table, m.stride)
+        with b.goto_entry_block():
+            out = b.alloca(PTR)
+        dtype, cpu = I32(self.dtype_code(m.dtype)), I32(self.cpu)
+        err = b.call(self.empty, [I64(len(m.shape)), sizes, strides, dtype, cpu, I32(0), out])
+        self._require(b, b.icmp_signed("==", err, I32(0)), fail)
+        result = b.load(out, typ=PTR)
+        b.store(result, self._word(b, table, handle))
+        slot = self.mb.slot_of(n.name)
+        b.call(self.data_ptr, [result, self._word(b, table, slot.slot)])
+        given = dict(zip(ARGS, n.attrs["args"])) | n.attrs["kwargs"]
+        operands = [self.mb.slot_of(given[a].name) for a in ("query", "key", "value")] + [slot]
+        self.mb.attention(b, table, operands, None, {"exact": True, "scale": scale, "causal": False, "mask": 0})
+
+    def _dispatch(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
         with b.goto_entry_block():
             stack = b.alloca(I64, size=I64(max(len(call.args), 1)))
         for i, a in enumerate(call.args):

@@ -1,7 +1,9 @@
 """scaled_dot_product_attention: in exact mode ATen's flash attention, braze's kernel of its
-arithmetic (attention.EXACT) where its probe agrees (fixed sizes, one block of keys, no mask, not
-causal; docs/aten-bits.md), else ATen's call; fast mode's own kernel (attention.py): causal or
-not, with a boolean or additive float mask or none, grouped key and value heads, no dropout."""
+arithmetic (attention.EXACT) where its probe agrees (one block of keys, no mask, not causal;
+docs/aten-bits.md), else ATen's call (in a program generic in its sizes, the kernel may take its
+place per call: per_call, passes.attention_per_call); fast mode's own kernel (attention.py):
+causal or not, with a boolean or additive float mask or none, grouped key and value heads, no
+dropout."""
 
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ from typing import Any
 import torch
 
 from .. import attention, config, jit
-from ..ir import Node, Op, contiguous_strides
+from ..ir import Node, Op, TensorMeta, contiguous_strides
 from .core import Lowerer, NotNative, Sym, is_float32
 
-_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    given = dict(zip(_ARGS, args)) | kwargs
+    given = dict(zip(ARGS, args)) | kwargs
     if not lw.fast:
         return _exact(lw, given, out)
     q, k, v, mask = given["query"], given["key"], given["value"], given.get("attn_mask")
@@ -98,10 +100,49 @@ def _exact_refusal(given: dict, out: Any) -> str | None:
     (batch, heads, queries, d), keys = q.meta.shape, k.meta.shape[2]
     if k.meta.shape != v.meta.shape or k.meta.shape[:2] != (batch, heads) or k.meta.shape[3] != d:
         return "keys and values not of the queries' batches, heads and head size"
-    block = 256 if queries >= 768 else 64 if queries >= 192 else 32
-    if queries < 4 or queries % block in (1, 2, 3) or not 12 <= keys <= 512 or d % 32 or d > 192:
+    if not flash_sizes_ok(queries, keys) or d % 32 or d > 192:
         return "sizes where it takes other paths (blocks of 1-3 queries, under 12 keys) or more than one block of keys"
     return None
+
+
+# Token counts (queries, keys) a program generic in its sizes probes before its ATen call may run
+# braze's kernel at the sizes checked per call (flash_sizes_ok): the keys' 16-lane tails 0-15, the
+# queries' blocks of 32 and 64, one block of keys at most, and queries and keys apart
+PER_CALL_PROBES = ((12, 12), (17, 17), (31, 31), (36, 36), (100, 100), (197, 197), (260, 260), (512, 512), (17, 100))
+
+
+def per_call(given: dict, metas: dict[str, TensorMeta], out: TensorMeta) -> float | None:
+    """For ATen's call of scaled_dot_product_attention in a program generic in its sizes (given:
+    its arguments by name; metas: the program's layouts of q, k and v): the scale, where braze's
+    kernel gives ATen's flash bits at every size meeting its conditions (the call checks them:
+    codegen/calls.py), as its probes at PER_CALL_PROBES show; else None."""
+    q, k, v = (given.get(a) for a in ("query", "key", "value"))
+    if not all(isinstance(t, Sym) and t.name in metas for t in (q, k, v)) or not config.exact_attention:
+        return None
+    if given.get("attn_mask") is not None or given.get("is_causal", False) is not False:
+        return None
+    if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False) is not False:
+        return None
+    layouts = [metas[t.name] for t in (q, k, v)] + [out]
+    if any(m.dtype != torch.float32 or len(m.shape) != 4 or m.stride[3] != 1 for m in layouts):
+        return None
+    d, heads = layouts[0].shape[3], layouts[0].shape[1]
+    same = layouts[1].shape == layouts[2].shape and layouts[1].shape[:2] == layouts[0].shape[:2]
+    if not (same and layouts[1].shape[3] == d and isinstance(d, int) and d % 32 == 0 and d <= 192):
+        return None
+    if not torch._C._get_flash_sdp_enabled():
+        return None
+    scale = _flash_scale(d, given.get("scale"))
+    heads = heads if isinstance(heads, int) else 2
+    return scale if all(_same((1, heads, t, d), s, scale) for t, s in PER_CALL_PROBES) else None
+
+
+def flash_sizes_ok(queries: int, keys: int) -> bool:
+    """Whether ATen's flash attention of these token counts takes the paths braze's kernel
+    reproduces: one block of keys (12-512), every block of queries at least 4 (codegen/calls.py
+    checks the same per call)."""
+    block = 256 if queries >= 768 else 64 if queries >= 192 else 32
+    return queries >= 4 and queries % block not in (1, 2, 3) and 12 <= keys <= 512
 
 
 def _flash_scale(d: int, scale: Any) -> float:
