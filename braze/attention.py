@@ -247,7 +247,8 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: 
     sees keys 0..i (PyTorch's is_causal, aligned at the top left). Mask `kind`: none, a boolean
     or an additive float one (rows ldm apart, see _masking). `exact`: ATen's flash attention's
     softmax (_softmax_rows_exact) and its product by v in MKL's order (gemmkernel's kernel), for
-    one block of keys without mask or causality (lowering/attention.py checks)."""
+    one block of keys without a mask (lowering/attention.py checks); causal, the scores of the
+    keys after a row's query -inf (ATen's block of keys is all of them)."""
     args = [PTR, I64] * 5 + [I64] * 4 + [F32, I64, PTR, PTR]
     f = ll.Function(module, ll.FunctionType(VOID, args), f"{NAME}_head{kind}")
     f.linkage = "internal"
@@ -259,8 +260,9 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: 
     causal = b.icmp_signed("!=", causal, I64(0))
     with counted_loop(b, first, end, MR) as i:
         height = smaller(b, b.sub(end, i), I64(MR))
-        # the keys this block's queries see: all, or (causal) up to its last query
-        limit = b.select(causal, smaller(b, s, b.add(i, height)), s)
+        # the keys this block's queries see: all, or (causal) up to its last query; exact, all
+        # (ATen's block of keys is all of them: those after a row's query are -inf there)
+        limit = s if exact else b.select(causal, smaller(b, s, b.add(i, height)), s)
 
         def block(args: list[ll.Value]) -> None:
             null = ll.Constant(PTR, None)
@@ -281,6 +283,10 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: 
             block([at(q, b.mul(i, ldq)), ldq, keys, I64(NR), d, at(scores, col), spad, b.sub(limit, col)])
         rows = at(out, b.mul(i, ldo))
         if exact:  # sgemm_(N, N) of v by the weights, as ATen calls it: K in MKL's blocks
+            with b.if_then(causal), counted_loop(b, I64(0), height) as r:
+                row = at(scores, b.mul(r, spad))
+                with counted_loop(b, b.add(b.add(i, r), I64(1)), s) as c:
+                    b.store(F32(float("-inf")), at(row, c))
             _softmax_rows_exact(b, scores, height, s, spad, scale, inverse)
             product = declared(module, gemmkernel.NAME, VOID, gemmkernel.ARGS)
             null = ll.Constant(PTR, None)
@@ -333,8 +339,9 @@ def _entry(module: ll.Module, kind: int, exact: bool = False) -> None:
     b.ret_void()
 
 
-def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """EXACT on float32 [B, H, T, d] q and [B, H, S, d] k, v (rows contiguous), on one thread (probes)."""
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> torch.Tensor:
+    """EXACT on float32 [B, H, T, d] q and [B, H, S, d] k, v (rows contiguous), causal or not, on
+    one thread (probes)."""
     (batch, heads, queries, d), keys = q.shape, k.shape[2]
     out = torch.empty(batch, heads, queries, d)
     error = ctypes.c_int64(0)
@@ -343,7 +350,8 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     strides = [s for t in (q, k, v, out) for s in t.stride()[:3]] + [0, 0, 0]
     sizes = (heads, 1, queries, keys, d)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None)
-    kernel(library(EXACT))(*pointers, *sizes, *strides, scale, 0, 0, batch * heads * queries, ctypes.addressof(error))
+    rows = (0, batch * heads * queries)
+    kernel(library(EXACT))(*pointers, *sizes, *strides, scale, int(causal), *rows, ctypes.addressof(error))
     if error.value:
         raise torch.OutOfMemoryError("attention's scratch memory")
     return out

@@ -400,10 +400,10 @@ def _memoizable(graph: Graph, owner: dict[str, str], barred: set[str]) -> set[st
 
 def attention_per_call(graph: Graph) -> Graph:
     """ATen's calls of scaled_dot_product_attention in a program generic in its sizes, marked
-    (attrs["exact_per_call"]: the scale) where braze's kernel of ATen's flash attention may run in
-    their place at the sizes a call brings (lowering/attention.per_call: its probes); the native
-    body checks those sizes per call (codegen/calls.py). (A program of fixed sizes has the kernel
-    in place of the call already, where it can.)"""
+    (attrs["exact_per_call"]: the kernel's scale and causality) where braze's kernel of ATen's
+    flash attention may run in their place at the sizes a call brings (lowering/attention.per_call:
+    its probes); the native body checks those sizes per call (codegen/calls.py). (A program of
+    fixed sizes has the kernel in place of the call already, where it can.)"""
     from .lowering import attention  # (its rules and probes)
 
     by_name = {n.name: n for n in graph.nodes}
@@ -413,9 +413,9 @@ def attention_per_call(graph: Graph) -> Graph:
         if n.op is Op.EXTERN and generic and n.attrs.get("fn") is torch._C._nn.scaled_dot_product_attention:
             given = dict(zip(attention.ARGS, n.attrs["args"])) | n.attrs["kwargs"]
             metas = {v: by_name[v].meta for v in n.value_inputs() if isinstance(by_name[v].meta, TensorMeta)}
-            scale = attention.per_call(given, metas, n.meta)
-            if scale is not None:
-                n = dataclasses.replace(n, attrs={**n.attrs, "exact_per_call": scale})
+            kernel = attention.per_call(given, metas, n.meta)
+            if kernel is not None:
+                n = dataclasses.replace(n, attrs={**n.attrs, "exact_per_call": kernel})
         nodes.append(n)
     return dataclasses.replace(graph, nodes=tuple(nodes))
 

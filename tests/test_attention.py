@@ -36,15 +36,21 @@ def _special(t: torch.Tensor, every: int = 97) -> torch.Tensor:
 NATIVE = [(12, 64), (16, 64), (17, 32), (31, 64), (32, 64), (36, 64), (64, 32), (197, 64), (260, 64), (512, 64)]
 
 
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 @pytest.mark.parametrize("tokens,d", NATIVE)
 @pytest.mark.parametrize("special", [False, True])
-def test_attention_is_braze_kernel_with_flash_attentions_bits(tokens, d, special, threads):
+@pytest.mark.parametrize("fn", [_attention, _causal], ids=["full", "causal"])
+def test_attention_is_braze_kernel_with_flash_attentions_bits(tokens, d, special, fn, threads):
+    # (causal: ATen's block of keys is all of them, those after a row's query -inf)
     for t in (1, 2):
         threads(t)
         q, k, v = (torch.randn(2, 3, tokens, d) for _ in range(3))
         if special:
             q, k, v = _special(q), _special(k, 89), _special(v, 83)
-        compiled = check_model(_attention, (q, k, v), externs=0)
+        compiled = check_model(fn, (q, k, v), externs=0)
         assert _exact_kernels(compiled) == [True]
 
 
@@ -84,7 +90,7 @@ def test_attention_whose_probe_disagrees_is_atens_call(threads, monkeypatch):
 
     threads(2)
     lowering._probe.cache_clear()
-    monkeypatch.setattr(attention, "exact", lambda q, k, v, scale: torch.zeros_like(q))
+    monkeypatch.setattr(attention, "exact", lambda q, k, v, scale, causal: torch.zeros_like(q))
     try:
         q, k, v = (torch.randn(1, 2, 24, 32) for _ in range(3))
         compiled = check_model(_attention, (q, k, v), externs=1)
@@ -108,7 +114,8 @@ def test_attention_follows_flash_attention_being_disabled(threads):
 
 
 @pytest.mark.parametrize("threads_", [1, 2])
-def test_attention_of_changing_sizes_is_one_generic_program_choosing_per_call(threads_, threads, monkeypatch):
+@pytest.mark.parametrize("fn", [_attention, _causal], ids=["full", "causal"])
+def test_attention_of_changing_sizes_is_one_generic_program_choosing_per_call(threads_, fn, threads, monkeypatch):
     # Which sizes the kernel reproduces depends on the tokens modulo ATen's blocks: a program
     # generic in them keeps ATen's call and runs the kernel in its place at the sizes it
     # reproduces (checked per call; 33, 35, 66 and 7 tokens, a block of 1-3 queries or under 12
@@ -119,19 +126,18 @@ def test_attention_of_changing_sizes_is_one_generic_program_choosing_per_call(th
     threads(threads_)
     ran, real = [], lowering.per_call
     monkeypatch.setattr(lowering, "per_call", lambda *a: ran.append(1) or real(*a))
-    compiled = braze.compile(_attention)
+    compiled = braze.compile(fn)
     for tokens in (40, 48, 33, 56, 64, 97, 35, 66, 7, 200, 600, 12):
-        check_model(_attention, tuple(_special(torch.randn(1, 2, tokens, 32)) for _ in range(3)), compiled=compiled)
+        check_model(fn, tuple(_special(torch.randn(1, 2, tokens, 32)) for _ in range(3)), compiled=compiled)
     assert len(compiled.compilations) == 2, [c.why for c in compiled.compilations]
     first, generic = compiled.programs()
     assert first.family is None and _exact_kernels_of(first) == [True]
     assert generic.family is not None and generic.native and ran
     assert "or braze's kernel of it where a call's sizes are ones it reproduces" in generic.externs[0][1]
-    assert [n.attrs.get("exact_per_call") for n in generic.graph.nodes if n.op is Op.EXTERN] == [
-        torch.tensor(32**-0.5).item()
-    ]
+    kernel = {"scale": torch.tensor(32**-0.5).item(), "causal": fn is _causal}
+    assert [n.attrs.get("exact_per_call") for n in generic.graph.nodes if n.op is Op.EXTERN] == [kernel]
     with sdpa_kernel(SDPBackend.MATH):  # (eager's math kernel: the flash kernel's program must not run)
-        check_model(_attention, tuple(torch.randn(1, 2, 70, 32) for _ in range(3)), compiled=compiled)
+        check_model(fn, tuple(torch.randn(1, 2, 70, 32) for _ in range(3)), compiled=compiled)
     assert len(compiled.compilations) == 3
 
 
@@ -139,7 +145,7 @@ def test_a_generic_programs_failing_probe_keeps_atens_call(threads, monkeypatch)
     from braze.lowering import attention as lowering
 
     threads(2)
-    monkeypatch.setattr(lowering, "_same", lambda shape, keys, scale: keys != 197)
+    monkeypatch.setattr(lowering, "_same", lambda shape, keys, scale, causal: keys != 197)
     compiled = braze.compile(_attention)
     for tokens in (40, 48, 56):
         check_model(_attention, tuple(torch.randn(1, 2, tokens, 32) for _ in range(3)), compiled=compiled)

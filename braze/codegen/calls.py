@@ -284,13 +284,13 @@ class CallEmitter:
         b.position_at_end(nxt)
 
     def _call(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
-        scale = n.attrs.get("exact_per_call")
-        if scale is None:
+        kernel = n.attrs.get("exact_per_call")
+        if kernel is None:
             self._dispatch(b, table, n, call, handle, fail)
             return
         with b.if_else(self._flash_sizes(b, table, n)) as (mine, aten):
             with mine:
-                self._exact_attention(b, table, n, handle, scale, fail)
+                self._exact_attention(b, table, n, handle, kernel, fail)
             with aten:
                 self._dispatch(b, table, n, call, handle, fail)
 
@@ -310,7 +310,7 @@ class CallEmitter:
         return b.and_(ok, b.icmp_signed("<=", keys, I64(512)))
 
     def _exact_attention(
-        self, b: ll.IRBuilder, table: ll.Value, n: Node, handle: int, scale: float, fail: ll.Block
+        self, b: ll.IRBuilder, table: ll.Value, n: Node, handle: int, kernel: dict[str, Any], fail: ll.Block
     ) -> None:
         """braze's kernel in place of ATen's call: its result made as ATen lays it out (the
         layout compiled for), the handle in the call's word, as the call's would be."""
@@ -329,7 +329,7 @@ class CallEmitter:
         b.call(self.data_ptr, [result, self._word(b, table, slot.slot)])
         given = dict(zip(ARGS, n.attrs["args"])) | n.attrs["kwargs"]
         operands = [self.mb.slot_of(given[a].name) for a in ("query", "key", "value")] + [slot]
-        self.mb.attention(b, table, operands, None, {"exact": True, "scale": scale, "causal": False, "mask": 0})
+        self.mb.attention(b, table, operands, None, {"exact": True, "mask": 0, **kernel})
 
     def _dispatch(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
         with b.goto_entry_block():

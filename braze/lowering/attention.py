@@ -67,11 +67,11 @@ def _exact(lw: Lowerer, given: dict, out: Any) -> Sym:
     """Exact mode: attention.EXACT, where it gives ATen's bits (else ATen's call, why said)."""
     why = _exact_refusal(given, out)
     if why is None:
-        q, k = given["query"], given["key"]
+        q, k, causal = given["query"], given["key"], given.get("is_causal", False)
         scale = _flash_scale(q.meta.shape[3], given.get("scale"))
-        if _same(tuple(q.meta.shape), k.meta.shape[2], scale):
+        if _same(tuple(q.meta.shape), k.meta.shape[2], scale, causal):
             inputs = (q.name, k.name, given["value"].name)
-            return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=False, mask=0, exact=True)
+            return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=causal, mask=0, exact=True)
         why = "its probe at these sizes disagrees"
     raise NotNative(f"exact mode: ATen's flash attention ({why})")
 
@@ -84,8 +84,8 @@ def _exact_refusal(given: dict, out: Any) -> str | None:
     q, k, v = given["query"], given["key"], given["value"]
     if not config.exact_attention:
         return "config.exact_attention is off (and in a program generic in its sizes)"
-    if given.get("attn_mask") is not None or given.get("is_causal", False) is not False:
-        return "a mask or causal attention"
+    if given.get("attn_mask") is not None or not isinstance(given.get("is_causal", False), bool):
+        return "a mask, or causality not a constant"
     if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False) is not False:
         return "dropout or grouped heads"
     if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
@@ -111,15 +111,16 @@ def _exact_refusal(given: dict, out: Any) -> str | None:
 PER_CALL_PROBES = ((12, 12), (17, 17), (31, 31), (36, 36), (100, 100), (197, 197), (260, 260), (512, 512), (17, 100))
 
 
-def per_call(given: dict, metas: dict[str, TensorMeta], out: TensorMeta) -> float | None:
+def per_call(given: dict, metas: dict[str, TensorMeta], out: TensorMeta) -> dict[str, Any] | None:
     """For ATen's call of scaled_dot_product_attention in a program generic in its sizes (given:
-    its arguments by name; metas: the program's layouts of q, k and v): the scale, where braze's
-    kernel gives ATen's flash bits at every size meeting its conditions (the call checks them:
-    codegen/calls.py), as its probes at PER_CALL_PROBES show; else None."""
+    its arguments by name; metas: the program's layouts of q, k and v): the kernel's scale and
+    causality, where it gives ATen's flash bits at every size meeting its conditions (the call
+    checks them: codegen/calls.py), as its probes at PER_CALL_PROBES show; else None."""
     q, k, v = (given.get(a) for a in ("query", "key", "value"))
     if not all(isinstance(t, Sym) and t.name in metas for t in (q, k, v)) or not config.exact_attention:
         return None
-    if given.get("attn_mask") is not None or given.get("is_causal", False) is not False:
+    causal = given.get("is_causal", False)
+    if given.get("attn_mask") is not None or not isinstance(causal, bool):
         return None
     if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False) is not False:
         return None
@@ -134,7 +135,9 @@ def per_call(given: dict, metas: dict[str, TensorMeta], out: TensorMeta) -> floa
         return None
     scale = _flash_scale(d, given.get("scale"))
     heads = heads if isinstance(heads, int) else 2
-    return scale if all(_same((1, heads, t, d), s, scale) for t, s in PER_CALL_PROBES) else None
+    if not all(_same((1, heads, t, d), s, scale, causal) for t, s in PER_CALL_PROBES):
+        return None
+    return {"scale": scale, "causal": causal}
 
 
 def flash_sizes_ok(queries: int, keys: int) -> bool:
@@ -151,12 +154,12 @@ def _flash_scale(d: int, scale: Any) -> float:
     return ctypes.c_float(value).value
 
 
-def _same(shape: tuple[int, ...], keys: int, scale: float) -> bool:
-    return _probe(shape, keys, scale, jit.mkl_threads())
+def _same(shape: tuple[int, ...], keys: int, scale: float, causal: bool) -> bool:
+    return _probe(shape, keys, scale, causal, jit.mkl_threads())
 
 
 @functools.cache
-def _probe(shape: tuple[int, ...], keys: int, scale: float, threads: int) -> bool:  # threads: in the key
+def _probe(shape: tuple[int, ...], keys: int, scale: float, causal: bool, threads: int) -> bool:  # threads: in the key
     """Whether attention.EXACT gives ATen's flash attention's bits at these sizes: random queries,
     keys and values with NaN, infinities, signed zeros, huge values and denormals among them (a
     row's NaN: its place only). Once per process, sizes, scale and MKL's thread count."""
@@ -168,8 +171,8 @@ def _probe(shape: tuple[int, ...], keys: int, scale: float, threads: int) -> boo
         flat = t.view(-1)
         at = torch.randint(0, flat.numel(), (max(1, flat.numel() // 256),), generator=gen)
         flat[at] = special[torch.randint(0, len(special), at.shape, generator=gen)]
-    eager = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-    return jit.same_bits(attention.exact(q, k, v, scale), eager, nan_payloads=False)
+    eager = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return jit.same_bits(attention.exact(q, k, v, scale, causal), eager, nan_payloads=False)
 
 
 def _repeated(lw: Lowerer, nodes: dict[str, Node], s: Sym) -> tuple[Sym, int] | None:
