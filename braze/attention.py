@@ -1,5 +1,6 @@
-"""Fast mode's attention (mode="fast"): softmax(q k^T * scale + mask) v for each (batch, head),
-causal or not, with a boolean or additive float mask or none, built once per process into the JIT:
+"""Attention kernels, built once per process into the JIT. Fast mode's (mode="fast"):
+softmax(q k^T * scale + mask) v for each (batch, head), causal or not, with a boolean or additive
+float mask or none:
 
     braze_attention[_bool|_float](q, k, v, out, mask, H, group, T, S, d,
                     <b, h, t strides of q, k, v, out, mask>, scale, causal, lo, hi, error)
@@ -19,6 +20,12 @@ goes): within the accuracy contract, at ATen's error against float64 here. A thr
 cannot have its scratch memory (the packed keys and a block's scores: 4 (S + 31) (d + 12) bytes)
 computes nothing and sets OUT_OF_MEMORY in the word `error` points to (the program raises
 torch.OutOfMemoryError).
+
+Exact mode's, braze_attention_exact[_bool|_float] (EXACT_NAMES, the same arguments): ATen's
+flash attention's arithmetic for one block of keys (docs/aten-bits.md): the same packed keys and
+score kernel (an FMA chain over d from 0: MKL's order), then ATen's scaling (with a mask, one
+fmaf), max, exp_u20 on the 16-lane body and double exp on the tail, sum, and the product by v
+through gemmkernel's kernel in MKL's order, each row times 1 / sum.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ from .gemmkernel import block_kernel, carried
 
 NAME = "braze_attention"
 NAMES = [NAME, f"{NAME}_bool", f"{NAME}_float"]  # by kind of mask: none, boolean, additive float
-EXACT = f"{NAME}_exact"  # exact mode's: ATen's flash attention's arithmetic, no mask, not causal
+# exact mode's, ATen's flash attention's arithmetic (one block of keys), by kind of mask as NAMES
+EXACT = f"{NAME}_exact"
+EXACT_NAMES = [EXACT, f"{EXACT}_bool", f"{EXACT}_float"]
 # Queries per block (24 accumulators; 6 rows: 12, 7-9% slower, one thread, BERT's and ViT's
 # shapes), keys or head dimensions per panel. A last block of 7-11 queries is the kernels of 6
 # rows and of the rest: only these heights are built (all twelve took 259 ms to build, six 124).
@@ -167,15 +176,23 @@ def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
 
 
 def _softmax_rows_exact(
-    b: ll.IRBuilder, scores: ll.Value, rows: ll.Value, s: ll.Value, spad: ll.Value, scale: ll.Value, inverse: ll.Value
+    b: ll.IRBuilder,
+    scores: ll.Value,
+    rows: ll.Value,
+    s: ll.Value,
+    spad: ll.Value,
+    scale: ll.Value,
+    inverse: ll.Value,
+    mask: Callable[[ll.Value, ll.Value, int], ll.Value] | None,
 ) -> None:
-    """ATen's flash attention on each of `rows` rows of s scores (spad apart; one block of keys,
-    no mask; FlashAttentionKernel.cpp, its AVX512 build): z = score * scale stored, its max (a
-    vector body of 16-lane at::vec::maximum and its lane tree, then a scalar tail that ignores
-    NaN; a NaN in the body makes the max NaN), exp_u20(z - max) on the body, (float) exp((double)
-    (z - max)) on the tail, their sum (16 lanes in column order, the lane tree, then the tail in
-    order), and 1 / sum (1 where the sum is 0) to inverse[row]; a row whose max is -inf has
-    weights 0 and sum 0."""
+    """ATen's flash attention on each of `rows` rows of s scores (spad apart; one block of keys;
+    FlashAttentionKernel.cpp, its AVX512 build): z = score * scale stored, its max (a vector body
+    of 16-lane at::vec::maximum and its lane tree, then a scalar tail that ignores NaN; a NaN in
+    the body makes the max NaN); with a mask (mask(row, t, width): its values), z = fmaf(score,
+    scale, mask) (GCC contracted them) and a NaN anywhere makes the max NaN (reduce_all); then
+    exp_u20(z - max) on the body, (float) exp((double) (z - max)) on the tail, their sum (16 lanes
+    in column order, the lane tree, then the tail in order), and 1 / sum (1 where the sum is 0)
+    to inverse[row]; a row whose max is -inf has weights 0 and sum 0."""
     exp = declared(b.module, "exp", F64, [F64])
     low, zero = ll.Constant(LANES16, [float("-inf")] * 16), ll.Constant(LANES16, [0.0] * 16)
     factor = splat(b, scale, 16)
@@ -185,19 +202,23 @@ def _softmax_rows_exact(
         at = lambda t: b.gep(row, [t], source_etype=F32)  # noqa: E731
 
         def scaled(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
-            z = b.fmul(b.load(at(t), typ=LANES16, align=4), factor)
+            x = b.load(at(t), typ=LANES16, align=4)
+            z = b.fmul(x, factor) if mask is None else fma(b, x, factor, mask(r, t, 16))
             b.store(z, at(t), align=4)
             return [_maximum(b, acc[0], z)]
 
         def scaled_tail(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
-            z = b.fmul(b.load(at(t), typ=F32), scale)
+            x = b.load(at(t), typ=F32)
+            z = b.fmul(x, scale) if mask is None else fma(b, x, scale, mask(r, t, 1))
             b.store(z, at(t))
-            return [b.select(b.fcmp_ordered(">", z, acc[0]), z, acc[0])]
+            larger = b.select(b.fcmp_ordered(">", z, acc[0]), z, acc[0])
+            nan = b.fcmp_unordered("uno", z, acc[0])
+            return [larger if mask is None else b.select(nan, F32(float("nan")), larger)]
 
         (lanes,) = carried(b, I64(0), body, 16, [low], scaled)
         top = combine_lanes(b, lanes, lambda x, y: _maximum(b, x, y))
         (tail,) = carried(b, body, s, 1, [F32(float("-inf"))], scaled_tail)
-        nan = b.fcmp_unordered("uno", top, top)
+        nan = b.fcmp_unordered("uno", top, top if mask is None else tail)
         top = b.select(nan, F32(float("nan")), b.select(b.fcmp_ordered("<", tail, top), top, tail))
         empty = b.fcmp_ordered("==", top, F32(float("-inf")))
         shift = splat(b, top, 16)
@@ -219,6 +240,25 @@ def _softmax_rows_exact(
         total = b.select(nan, F32(float("nan")), b.select(empty, F32(0.0), total))  # (the rescale's fmaf)
         total = b.select(b.fcmp_ordered("==", total, F32(0.0)), F32(1.0), total)
         b.store(b.fdiv(F32(1.0), total), b.gep(inverse, [r], source_etype=F32))
+
+
+def _mask_values(b: ll.IRBuilder, kind: int, base: ll.Value, stride: ll.Value, first: ll.Value) -> Callable:
+    """mask(row, t, width): the values of a boolean mask as ATen makes them float (0 where true,
+    -inf where false) or of a float one, at keys t.. (width 16 or 1) of row `first + row` (which
+    starts at base + (first + row) * stride elements of its dtype; its keys contiguous)."""
+
+    def mask(r: ll.Value, t: ll.Value, width: int) -> ll.Value:
+        at = b.add(b.mul(b.add(first, r), stride), t)
+        floats = LANES16 if width == 16 else F32
+        if kind == 2:
+            return b.load(b.gep(base, [at], source_etype=F32), typ=floats, align=4)
+        bytes_ = ll.VectorType(ll.IntType(8), 16) if width == 16 else ll.IntType(8)
+        flags = b.load(b.gep(base, [at], source_etype=ll.IntType(8)), typ=bytes_, align=1)
+        keep = b.icmp_unsigned("!=", flags, ll.Constant(bytes_, [0] * 16 if width == 16 else 0))
+        value = lambda v: ll.Constant(floats, [v] * 16 if width == 16 else v)  # noqa: E731
+        return b.select(keep, value(0.0), value(float("-inf")))
+
+    return mask
 
 
 def _masking(b: ll.IRBuilder, kind: int, base: ll.Value, stride: ll.Value, first: ll.Value) -> Callable:
@@ -247,8 +287,8 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: 
     sees keys 0..i (PyTorch's is_causal, aligned at the top left). Mask `kind`: none, a boolean
     or an additive float one (rows ldm apart, see _masking). `exact`: ATen's flash attention's
     softmax (_softmax_rows_exact) and its product by v in MKL's order (gemmkernel's kernel), for
-    one block of keys without a mask (lowering/attention.py checks); causal, the scores of the
-    keys after a row's query -inf (ATen's block of keys is all of them)."""
+    one block of keys (lowering/attention.py checks); causal, the scores of the keys after a
+    row's query -inf (ATen's block of keys is all of them)."""
     args = [PTR, I64] * 5 + [I64] * 4 + [F32, I64, PTR, PTR]
     f = ll.Function(module, ll.FunctionType(VOID, args), f"{NAME}_head{kind}")
     f.linkage = "internal"
@@ -287,7 +327,8 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: 
                 row = at(scores, b.mul(r, spad))
                 with counted_loop(b, b.add(b.add(i, r), I64(1)), s) as c:
                     b.store(F32(float("-inf")), at(row, c))
-            _softmax_rows_exact(b, scores, height, s, spad, scale, inverse)
+            values = _mask_values(b, kind, mask, ldm, i) if kind else None
+            _softmax_rows_exact(b, scores, height, s, spad, scale, inverse, values)
             product = declared(module, gemmkernel.NAME, VOID, gemmkernel.ARGS)
             null = ll.Constant(PTR, None)
             b.call(product, [scores, spad, v, ldv, rows, ldo, null, I64(0), d, s, I64(0), height, I64(0)])
@@ -309,11 +350,12 @@ def _head(module: ll.Module, kind: int, kernels: dict[int, ll.Function], exact: 
 
 
 def _entry(module: ll.Module, kind: int, exact: bool = False) -> None:
-    """NAMES[kind]: the kernel for one kind of mask (each is built when first needed); EXACT."""
+    """NAMES[kind]: the kernel for one kind of mask (each is built when first needed); with
+    `exact`, EXACT_NAMES[kind]."""
     head = _head(module, kind, {mr: block_kernel(module, NAME, mr) for mr in HEIGHTS}, exact)
     malloc = declared(module, "malloc", PTR, [I64])
     free = declared(module, "free", VOID, [PTR])
-    f = ll.Function(module, ll.FunctionType(VOID, ARGS), EXACT if exact else NAMES[kind])
+    f = ll.Function(module, ll.FunctionType(VOID, ARGS), (EXACT_NAMES if exact else NAMES)[kind])
     q, k, v, out, mask, heads, group, t_, s, d, *strides, scale, causal, lo, hi, error = f.args
     b = ll.IRBuilder(f.append_basic_block("entry"))
     spad = b.mul(b.sdiv(b.add(s, I64(NR - 1)), I64(NR)), I64(NR))
@@ -339,19 +381,29 @@ def _entry(module: ll.Module, kind: int, exact: bool = False) -> None:
     b.ret_void()
 
 
-def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False) -> torch.Tensor:
-    """EXACT on float32 [B, H, T, d] q and [B, H, S, d] k, v (rows contiguous), causal or not, on
-    one thread (probes)."""
+def exact(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """EXACT_NAMES' kernels on float32 [B, H, T, d] q and [B, H, S, d] k, v (rows contiguous),
+    causal or not, with a boolean or float mask [B, H, T, S] (keys contiguous) or none, on one
+    thread (probes)."""
     (batch, heads, queries, d), keys = q.shape, k.shape[2]
     out = torch.empty(batch, heads, queries, d)
     error = ctypes.c_int64(0)
     words = [ctypes.c_int64] * 20
     kernel = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 5, *words, ctypes.c_float, *words[:3], ctypes.c_void_p)
-    strides = [s for t in (q, k, v, out) for s in t.stride()[:3]] + [0, 0, 0]
+    strides = [s for t in (q, k, v, out) for s in t.stride()[:3]]
+    strides += [0, 0, 0] if mask is None else list(mask.stride()[:3])
     sizes = (heads, 1, queries, keys, d)
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None if mask is None else mask.data_ptr())
     rows = (0, batch * heads * queries)
-    kernel(library(EXACT))(*pointers, *sizes, *strides, scale, int(causal), *rows, ctypes.addressof(error))
+    name = EXACT_NAMES[0 if mask is None else 1 if mask.dtype == torch.bool else 2]
+    kernel(library(name))(*pointers, *sizes, *strides, scale, int(causal), *rows, ctypes.addressof(error))
     if error.value:
         raise torch.OutOfMemoryError("attention's scratch memory")
     return out
@@ -360,7 +412,7 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
 def library(kernel: str) -> int:
     """The kernel's address (jit.kernel: built alone when first needed; EXACT after the GEMM
     kernel it calls)."""
-    if kernel == EXACT:
+    if kernel in EXACT_NAMES:
         gemmkernel.library(gemmkernel.NAME)
-        return jit.kernel(kernel, lambda module: _entry(module, 0, exact=True))
+        return jit.kernel(kernel, lambda module: _entry(module, EXACT_NAMES.index(kernel), exact=True))
     return jit.kernel(kernel, lambda module: _entry(module, NAMES.index(kernel)))

@@ -90,7 +90,7 @@ def test_attention_whose_probe_disagrees_is_atens_call(threads, monkeypatch):
 
     threads(2)
     lowering._probe.cache_clear()
-    monkeypatch.setattr(attention, "exact", lambda q, k, v, scale, causal: torch.zeros_like(q))
+    monkeypatch.setattr(attention, "exact", lambda q, *rest: torch.zeros_like(q))
     try:
         q, k, v = (torch.randn(1, 2, 24, 32) for _ in range(3))
         compiled = check_model(_attention, (q, k, v), externs=1)
@@ -134,7 +134,7 @@ def test_attention_of_changing_sizes_is_one_generic_program_choosing_per_call(th
     assert first.family is None and _exact_kernels_of(first) == [True]
     assert generic.family is not None and generic.native and ran
     assert "or braze's kernel of it where a call's sizes are ones it reproduces" in generic.externs[0][1]
-    kernel = {"scale": torch.tensor(32**-0.5).item(), "causal": fn is _causal}
+    kernel = {"scale": torch.tensor(32**-0.5).item(), "causal": fn is _causal, "mask": 0}
     assert [n.attrs.get("exact_per_call") for n in generic.graph.nodes if n.op is Op.EXTERN] == [kernel]
     with sdpa_kernel(SDPBackend.MATH):  # (eager's math kernel: the flash kernel's program must not run)
         check_model(fn, tuple(torch.randn(1, 2, 70, 32) for _ in range(3)), compiled=compiled)
@@ -145,7 +145,7 @@ def test_a_generic_programs_failing_probe_keeps_atens_call(threads, monkeypatch)
     from braze.lowering import attention as lowering
 
     threads(2)
-    monkeypatch.setattr(lowering, "_same", lambda shape, keys, scale, causal: keys != 197)
+    monkeypatch.setattr(lowering, "_same", lambda shape, keys, *form: keys != 197)
     compiled = braze.compile(_attention)
     for tokens in (40, 48, 56):
         check_model(_attention, tuple(torch.randn(1, 2, tokens, 32) for _ in range(3)), compiled=compiled)
@@ -155,3 +155,43 @@ def test_a_generic_programs_failing_probe_keeps_atens_call(threads, monkeypatch)
 
 def _exact_kernels_of(program) -> list:
     return [k.attrs.get("exact") for s in program.segments for k in s.kernels if k.op is Op.ATTENTION]
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _mask(kind: str, tokens: int) -> torch.Tensor:
+    """A fifth of the keys masked (false, -inf), the first query's all; broadcast as models do."""
+    shape = {"bool": (2, 3, tokens, tokens), "bool-2d": (tokens, tokens), "float": (2, 3, tokens, tokens)}
+    shape["float-heads"] = (1, 3, tokens, tokens)
+    off = torch.rand(shape[kind]) < 0.2
+    off[..., 0, :] = True
+    if kind.startswith("bool"):
+        return ~off
+    return torch.randn(shape[kind]).masked_fill(off, -float("inf"))
+
+
+@pytest.mark.parametrize("tokens", [12, 17, 36, 100, 197])
+@pytest.mark.parametrize("kind", ["bool", "bool-2d", "float", "float-heads"])
+def test_attention_with_a_mask_is_braze_kernel_with_flash_attentions_bits(tokens, kind, threads):
+    # fmaf(score, scale, mask), the max over the whole row NaN-propagating; a row all masked: 0s
+    for t in (1, 2):
+        threads(t)
+        q, k, v = (_special(torch.randn(2, 3, tokens, 32), every) for every in (97, 89, 83))
+        compiled = check_model(_masked, (q, k, v, _mask(kind, tokens)), externs=0)
+        assert _exact_kernels(compiled) == [True]
+
+
+def test_attention_with_a_mask_of_changing_sizes_chooses_per_call(threads):
+    # Hugging Face's text models: a boolean causal mask [1, 1, tokens, tokens], generic in tokens
+    threads(2)
+    compiled = braze.compile(_masked)
+    for tokens in (40, 48, 33, 56, 7, 100):
+        q, k, v = (torch.randn(1, 2, tokens, 32) for _ in range(3))
+        mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
+        check_model(_masked, (q, k, v, mask), compiled=compiled)
+    generic = compiled.programs()[-1]
+    assert generic.family is not None and generic.native
+    kernel = {"scale": torch.tensor(32**-0.5).item(), "causal": False, "mask": 1}
+    assert [n.attrs.get("exact_per_call") for n in generic.graph.nodes if n.op is Op.EXTERN] == [kernel]

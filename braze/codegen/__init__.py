@@ -508,7 +508,7 @@ class ModuleBuilder(GemmEmitter):
         (batch, heads, queries, d), (kv_heads, keys) = operands[3].meta.shape, operands[1].meta.shape[1:3]
         numel = operands[3].meta.numel
         with self._ranged(b, table, "attention", numel, batch * heads * queries) as (kb, tbl, lo, hi):
-            name = attention.EXACT if attrs.get("exact") else attention.NAMES[attrs["mask"]]
+            name = (attention.EXACT_NAMES if attrs.get("exact") else attention.NAMES)[attrs["mask"]]
             fn = self.kernel(attention, name, attention.ARGS)
             dim = lambda x: self.dim(kb, tbl, x)  # noqa: E731
             ptrs = [self.pointer(kb, tbl, a) for a in operands]

@@ -329,7 +329,8 @@ class CallEmitter:
         b.call(self.data_ptr, [result, self._word(b, table, slot.slot)])
         given = dict(zip(ARGS, n.attrs["args"])) | n.attrs["kwargs"]
         operands = [self.mb.slot_of(given[a].name) for a in ("query", "key", "value")] + [slot]
-        self.mb.attention(b, table, operands, None, {"exact": True, "mask": 0, **kernel})
+        mask = self.mb.slot_of(given["attn_mask"].name) if kernel["mask"] else None
+        self.mb.attention(b, table, operands, mask, {"exact": True, **kernel})
 
     def _dispatch(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
         with b.goto_entry_block():

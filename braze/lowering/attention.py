@@ -1,6 +1,6 @@
 """scaled_dot_product_attention: in exact mode ATen's flash attention, braze's kernel of its
-arithmetic (attention.EXACT) where its probe agrees (one block of keys, no mask, not causal;
-docs/aten-bits.md), else ATen's call (in a program generic in its sizes, the kernel may take its
+arithmetic (attention.EXACT_NAMES) where its probe agrees (one block of keys; causal, a mask or
+neither; docs/aten-bits.md), else ATen's call (in a program generic in its sizes, the kernel may take its
 place per call: per_call, passes.attention_per_call); fast mode's own kernel (attention.py):
 causal or not, with a boolean or additive float mask or none, grouped key and value heads, no
 dropout."""
@@ -64,45 +64,61 @@ def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym
 
 
 def _exact(lw: Lowerer, given: dict, out: Any) -> Sym:
-    """Exact mode: attention.EXACT, where it gives ATen's bits (else ATen's call, why said)."""
-    why = _exact_refusal(given, out)
-    if why is None:
-        q, k, causal = given["query"], given["key"], given.get("is_causal", False)
-        scale = _flash_scale(q.meta.shape[3], given.get("scale"))
-        if _same(tuple(q.meta.shape), k.meta.shape[2], scale, causal):
-            inputs = (q.name, k.name, given["value"].name)
-            return lw.emit(Op.ATTENTION, inputs, out, scale=scale, causal=causal, mask=0, exact=True)
-        why = "its probe at these sizes disagrees"
-    raise NotNative(f"exact mode: ATen's flash attention ({why})")
+    """Exact mode: attention.EXACT_NAMES' kernel, where it gives ATen's bits (else ATen's call,
+    why said)."""
+    q, k, v, mask = (given.get(a) for a in ("query", "key", "value", "attn_mask"))
+    metas = {t.name: TensorMeta.of(t.meta) for t in (q, k, v, mask) if isinstance(t, Sym) and t.is_tensor}
+    form = _form(given, metas, TensorMeta.of(out) if isinstance(out, torch.Tensor) else None)
+    if isinstance(form, dict):
+        queries, keys = q.meta.shape[2], k.meta.shape[2]
+        if not all(isinstance(n, int) for m in metas.values() for n in (*m.shape, *m.stride)):
+            form = "sizes that change between calls"
+        elif not flash_sizes_ok(queries, keys):
+            form = "sizes where ATen takes other paths (blocks of 1-3 queries, under 12 keys) or over 512 keys"
+        elif not _same(tuple(q.meta.shape), keys, form["scale"], form["causal"], form["mask"]):
+            form = "its probe at these sizes disagrees"
+        else:
+            inputs = (q.name, k.name, v.name) + ((mask.name,) if form["mask"] else ())
+            return lw.emit(Op.ATTENTION, inputs, out, exact=True, **form)
+    raise NotNative(f"exact mode: ATen's flash attention ({form})")
 
 
-def _exact_refusal(given: dict, out: Any) -> str | None:
-    """Why braze's kernel cannot reproduce this call of ATen's flash attention, or None. It
-    computes one block of keys (ATen's are 512), with MKL's order in both products: every block
-    of queries at least 4 (ATen's are 32, 64 from 192 queries, 256 from 768) and at least 12 keys
-    (MKL's other paths below). Fixed sizes: a generic program's could leave those."""
-    q, k, v = given["query"], given["key"], given["value"]
+def _form(given: dict, metas: dict[str, TensorMeta], out: TensorMeta | None) -> dict[str, Any] | str:
+    """The attrs of braze's kernel for this call of ATen's flash attention (scale, causal, mask:
+    0 none, 1 boolean, 2 float), or why it cannot reproduce it: it computes one block of keys
+    (ATen's are 512) with MKL's order in both products, for float32 [batch, heads, tokens, d]
+    rows (d a multiple of 32 up to 192), the same batches and heads throughout, a mask that
+    broadcasts with its keys contiguous. (The sizes at which it does: flash_sizes_ok.)"""
+    q, k, v, mask = (given.get(a) for a in ("query", "key", "value", "attn_mask"))
+    causal = given.get("is_causal", False)
     if not config.exact_attention:
         return "config.exact_attention is off (and in a program generic in its sizes)"
-    if given.get("attn_mask") is not None or not isinstance(given.get("is_causal", False), bool):
-        return "a mask, or causality not a constant"
+    if not isinstance(causal, bool) or (causal and mask is not None):
+        return "causality not a constant, or with a mask (eager raises)"
     if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False) is not False:
         return "dropout or grouped heads"
-    if not (all(is_float32(t) for t in (q, k, v)) and isinstance(out, torch.Tensor) and out.dtype == torch.float32):
-        return "tensors that are not float32"
     if not torch._C._get_flash_sdp_enabled():
         return "disabled: eager runs the math kernel"
-    metas = (q.meta, k.meta, v.meta, out)
-    if any(m.dim() != 4 or m.stride(3) != 1 for m in metas):
-        return "tensors that are not [batch, heads, tokens, d] with contiguous rows"
-    if not all(isinstance(n, int) for m in metas for n in (*m.shape, *m.stride())):
-        return "sizes that change between calls"
-    (batch, heads, queries, d), keys = q.meta.shape, k.meta.shape[2]
-    if k.meta.shape != v.meta.shape or k.meta.shape[:2] != (batch, heads) or k.meta.shape[3] != d:
+    tensors = (q, k, v) if mask is None else (q, k, v, mask)
+    if out is None or not all(isinstance(t, Sym) and t.name in metas for t in tensors):
+        return "operands that are not tensors"
+    (mq, mk, mv), mm = (metas[t.name] for t in (q, k, v)), metas[mask.name] if mask is not None else None
+    if any(m.dtype != torch.float32 or len(m.shape) != 4 or m.stride[3] != 1 for m in (mq, mk, mv, out)):
+        return "tensors that are not float32 [batch, heads, tokens, d] with contiguous rows"
+    d = mq.shape[3]
+    if mk.shape != mv.shape or mk.shape[:2] != mq.shape[:2] or mk.shape[3] != d or out.shape != mq.shape:
         return "keys and values not of the queries' batches, heads and head size"
-    if not flash_sizes_ok(queries, keys) or d % 32 or d > 192:
-        return "sizes where it takes other paths (blocks of 1-3 queries, under 12 keys) or more than one block of keys"
-    return None
+    if not isinstance(d, int) or d % 32 or d > 192:
+        return "a head size that is not a multiple of 32 up to 192"
+    kind = 0
+    if mm is not None:
+        if mm.dtype not in (torch.bool, torch.float32) or len(mm.shape) > 4 or mm.stride[-1] != 1:
+            return "a mask that is not boolean or float32 with contiguous keys"
+        rows = (1,) * (4 - len(mm.shape)) + tuple(mm.shape)
+        if any(r != 1 and r != n for r, n in zip(rows, (*mq.shape[:3], mk.shape[2]))):
+            return "a mask that does not broadcast"
+        kind = 1 if mm.dtype == torch.bool else 2
+    return {"scale": _flash_scale(d, given.get("scale")), "causal": causal, "mask": kind}
 
 
 # Token counts (queries, keys) a program generic in its sizes probes before its ATen call may run
@@ -113,31 +129,17 @@ PER_CALL_PROBES = ((12, 12), (17, 17), (31, 31), (36, 36), (100, 100), (197, 197
 
 def per_call(given: dict, metas: dict[str, TensorMeta], out: TensorMeta) -> dict[str, Any] | None:
     """For ATen's call of scaled_dot_product_attention in a program generic in its sizes (given:
-    its arguments by name; metas: the program's layouts of q, k and v): the kernel's scale and
-    causality, where it gives ATen's flash bits at every size meeting its conditions (the call
+    its arguments by name; metas: the program's layouts of its tensors): the kernel's attrs
+    (_form), where it gives ATen's flash bits at every size meeting its conditions (the call
     checks them: codegen/calls.py), as its probes at PER_CALL_PROBES show; else None."""
-    q, k, v = (given.get(a) for a in ("query", "key", "value"))
-    if not all(isinstance(t, Sym) and t.name in metas for t in (q, k, v)) or not config.exact_attention:
+    form = _form(given, metas, out)
+    if not isinstance(form, dict):
         return None
-    causal = given.get("is_causal", False)
-    if given.get("attn_mask") is not None or not isinstance(causal, bool):
-        return None
-    if given.get("dropout_p", 0.0) != 0.0 or given.get("enable_gqa", False) is not False:
-        return None
-    layouts = [metas[t.name] for t in (q, k, v)] + [out]
-    if any(m.dtype != torch.float32 or len(m.shape) != 4 or m.stride[3] != 1 for m in layouts):
-        return None
-    d, heads = layouts[0].shape[3], layouts[0].shape[1]
-    same = layouts[1].shape == layouts[2].shape and layouts[1].shape[:2] == layouts[0].shape[:2]
-    if not (same and layouts[1].shape[3] == d and isinstance(d, int) and d % 32 == 0 and d <= 192):
-        return None
-    if not torch._C._get_flash_sdp_enabled():
-        return None
-    scale = _flash_scale(d, given.get("scale"))
+    d, heads = metas[given["query"].name].shape[3], metas[given["query"].name].shape[1]
     heads = heads if isinstance(heads, int) else 2
-    if not all(_same((1, heads, t, d), s, scale, causal) for t, s in PER_CALL_PROBES):
+    if not all(_same((1, heads, t, d), s, form["scale"], form["causal"], form["mask"]) for t, s in PER_CALL_PROBES):
         return None
-    return {"scale": scale, "causal": causal}
+    return form
 
 
 def flash_sizes_ok(queries: int, keys: int) -> bool:
@@ -154,15 +156,17 @@ def _flash_scale(d: int, scale: Any) -> float:
     return ctypes.c_float(value).value
 
 
-def _same(shape: tuple[int, ...], keys: int, scale: float, causal: bool) -> bool:
-    return _probe(shape, keys, scale, causal, jit.mkl_threads())
+def _same(shape: tuple[int, ...], keys: int, scale: float, causal: bool, mask: int) -> bool:
+    return _probe(shape, keys, scale, causal, mask, jit.mkl_threads())
 
 
 @functools.cache
-def _probe(shape: tuple[int, ...], keys: int, scale: float, causal: bool, threads: int) -> bool:  # threads: in the key
-    """Whether attention.EXACT gives ATen's flash attention's bits at these sizes: random queries,
-    keys and values with NaN, infinities, signed zeros, huge values and denormals among them (a
-    row's NaN: its place only). Once per process, sizes, scale and MKL's thread count."""
+def _probe(shape: tuple[int, ...], keys: int, scale: float, causal: bool, mask: int, threads: int) -> bool:  # noqa: ARG001
+    """Whether attention.EXACT_NAMES' kernel gives ATen's flash attention's bits at these sizes:
+    random queries, keys and values with NaN, infinities, signed zeros, huge values and
+    denormals among them (a row's NaN: its place only); a boolean (mask 1) or float (2) mask with
+    a fifth of its keys masked (false, -inf), the first row all. Once per process, sizes, scale,
+    causality, kind of mask and MKL's thread count (`threads`: in the key)."""
     gen = torch.Generator().manual_seed(0)
     batch, heads, queries, d = shape
     q, k, v = (torch.randn(batch, heads, n, d, generator=gen) for n in (queries, keys, keys))
@@ -171,8 +175,15 @@ def _probe(shape: tuple[int, ...], keys: int, scale: float, causal: bool, thread
         flat = t.view(-1)
         at = torch.randint(0, flat.numel(), (max(1, flat.numel() // 256),), generator=gen)
         flat[at] = special[torch.randint(0, len(special), at.shape, generator=gen)]
-    eager = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return jit.same_bits(attention.exact(q, k, v, scale, causal), eager, nan_payloads=False)
+    masked = torch.rand(batch, heads, queries, keys, generator=gen) < 0.2
+    masked[:, :, 0] = True
+    rows = None
+    if mask == 1:
+        rows = ~masked
+    elif mask == 2:
+        rows = torch.randn(batch, heads, queries, keys, generator=gen).masked_fill(masked, -float("inf"))
+    eager = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rows, is_causal=causal, scale=scale)
+    return jit.same_bits(attention.exact(q, k, v, scale, causal, rows), eager, nan_payloads=False)
 
 
 def _repeated(lw: Lowerer, nodes: dict[str, Node], s: Sym) -> tuple[Sym, int] | None:
