@@ -400,7 +400,7 @@ def _memoizable(graph: Graph, owner: dict[str, str], barred: set[str]) -> set[st
 
 def attention_per_call(graph: Graph) -> Graph:
     """ATen's calls of scaled_dot_product_attention in a program generic in its sizes, marked
-    (attrs["exact_per_call"]: the kernel's scale and causality) where braze's kernel of ATen's
+    (attrs["exact_per_call"]: the kernel's scale, causality and mask) where braze's kernel of ATen's
     flash attention may run in their place at the sizes a call brings (lowering/attention.per_call:
     its probes); the native body checks those sizes per call (codegen/calls.py). (A program of
     fixed sizes has the kernel in place of the call already, where it can.)"""

@@ -490,7 +490,7 @@ class Program:
         eager's MKL may add in another order): one on one thread, braze's own kernel, exact
         mode's 1 x 1 convolution as MKL's sgemm_ (on another count ATen may take oneDNN's path)
         or its attention (ATen's flash kernel calls MKL)."""
-        probed = ("one_thread", "one_thread_sizes", "own_kernel", "convolution", "exact")
+        probed = ("one_thread", "one_thread_sizes", "own_kernel", "convolution")
         return self._flash() or any(k.attrs.get(a) for s in self.segments for k in s.kernels for a in probed)
 
     def _flash(self) -> bool:

@@ -1,9 +1,9 @@
 """scaled_dot_product_attention: in exact mode ATen's flash attention, braze's kernel of its
 arithmetic (attention.EXACT_NAMES) where its probe agrees (one block of keys; causal, a mask or
-neither; docs/aten-bits.md), else ATen's call (in a program generic in its sizes, the kernel may take its
-place per call: per_call, passes.attention_per_call); fast mode's own kernel (attention.py):
-causal or not, with a boolean or additive float mask or none, grouped key and value heads, no
-dropout."""
+neither; docs/aten-bits.md), else ATen's call (in a program generic in its sizes, the kernel
+may take its place per call: per_call, passes.attention_per_call); fast mode's own kernel
+(attention.py): causal or not, with a boolean or additive float mask or none, grouped key and
+value heads, no dropout."""
 
 from __future__ import annotations
 
