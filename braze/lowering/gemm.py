@@ -364,7 +364,7 @@ def _own_bmm(blas: dict[str, Any], b1: torch.Tensor, b2: torch.Tensor) -> bool:
     strides whose first operand's matrices are row-major, sizes where sgemm_'s path is the one
     the kernel reproduces, and where its probe (these layouts, MKL's thread count: the entry
     checks it) gives ATen's bits. MKL's batched GEMM ran the attention products of
-    `transformer-layer` at ~100 GFLOP/s (docs/limits.md), the kernel at ~200."""
+    `transformer-layer` at ~110 GFLOP/s, the kernel at 140 and 180 (docs/limits.md)."""
     if not config.own_gemm or blas["tb"]:
         return False
     layouts = ((tuple(b1.shape), b1.stride()), (tuple(b2.shape), b2.stride()))
