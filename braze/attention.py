@@ -55,6 +55,7 @@ from .codegen import (
     lanes_below,
     masked_load,
     masked_store,
+    maximum,
     pieces,
     smaller,
     splat,
@@ -168,13 +169,6 @@ def _exp_u20(b: ll.IRBuilder, x: ll.Value) -> ll.Value:
     return b.fadd(res, res)
 
 
-def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
-    """at::vec::maximum: _mm512_max_ps(x, y) (x where x > y, else y), NaN (all ones) where either is."""
-    top = b.select(b.fcmp_ordered(">", x, y), x, y)
-    nan = b.bitcast(ll.Constant(ll.VectorType(I32, 16), [-1] * 16), LANES16)
-    return b.select(b.fcmp_unordered("uno", x, y), nan, top)
-
-
 def _softmax_rows_exact(
     b: ll.IRBuilder,
     scores: ll.Value,
@@ -205,7 +199,7 @@ def _softmax_rows_exact(
             x = b.load(at(t), typ=LANES16, align=4)
             z = b.fmul(x, factor) if mask is None else fma(b, x, factor, mask(r, t, 16))
             b.store(z, at(t), align=4)
-            return [_maximum(b, acc[0], z)]
+            return [maximum(b, acc[0], z)]
 
         def scaled_tail(t: ll.Value, acc: list[ll.Value]) -> list[ll.Value]:
             x = b.load(at(t), typ=F32)
@@ -216,7 +210,7 @@ def _softmax_rows_exact(
             return [larger if mask is None else b.select(nan, F32(float("nan")), larger)]
 
         (lanes,) = carried(b, I64(0), body, 16, [low], scaled)
-        top = combine_lanes(b, lanes, lambda x, y: _maximum(b, x, y))
+        top = combine_lanes(b, lanes, lambda x, y: maximum(b, x, y))
         (tail,) = carried(b, body, s, 1, [F32(float("-inf"))], scaled_tail)
         nan = b.fcmp_unordered("uno", top, top if mask is None else tail)
         top = b.select(nan, F32(float("nan")), b.select(b.fcmp_ordered("<", tail, top), top, tail))

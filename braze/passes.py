@@ -411,7 +411,7 @@ def attention_per_call(graph: Graph) -> Graph:
     for n in graph.nodes:
         generic = isinstance(n.meta, TensorMeta) and any(isinstance(d, Expr) for d in n.meta.shape)
         if n.op is Op.EXTERN and generic and n.attrs.get("fn") is torch._C._nn.scaled_dot_product_attention:
-            given = dict(zip(attention.ARGS, n.attrs["args"])) | n.attrs["kwargs"]
+            given = attention.arguments(n.attrs["args"], n.attrs["kwargs"])
             metas = {v: by_name[v].meta for v in n.value_inputs() if isinstance(by_name[v].meta, TensorMeta)}
             kernel = attention.per_call(given, metas, n.meta)
             if kernel is not None:

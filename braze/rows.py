@@ -53,6 +53,7 @@ from .codegen import (
     lanes_below,
     masked_load,
     masked_store,
+    maximum,
     splat,
 )
 from .sleef import GRAIN
@@ -237,15 +238,6 @@ SOFTMAX = "braze_softmax_rows"
 LOG_SOFTMAX = "braze_log_softmax_rows"
 
 
-def _maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
-    """vec::maximum: max_ps(x, y) (y where they compare equal or unordered), all-ones NaN where
-    either is NaN."""
-    ty = x.type
-    n = ty.count if isinstance(ty, ll.VectorType) else None
-    ones = b.bitcast(ll.Constant(ll.VectorType(I32, n), [-1] * n) if n else I32(-1), ty)
-    return b.select(b.fcmp_unordered("uno", x, y), ones, b.select(b.fcmp_ordered(">", x, y), x, y))
-
-
 def _partial(b: ll.IRBuilder, ptr: ll.Value, count: ll.Value, store: ll.Value | None = None) -> ll.Value | None:
     """Vectorized::loadu(ptr, count) (lanes past count are 0) or store(ptr, count)."""
     mask = lanes_below(b, count)
@@ -305,7 +297,7 @@ def _softmax(module: ll.Module, log: bool) -> None:
     with counted_loop(b, lo, hi) as r:
         xr = b.gep(x, [b.mul(r, n)], source_etype=F32)
         yr = b.gep(y, [b.mul(r, n)], source_etype=F32)
-        top = splat(b, _reduce_all(b, _maximum, xr, n), WIDE)
+        top = splat(b, _reduce_all(b, maximum, xr, n), WIDE)
         vmap(xr, yr, lambda v: b.call(exp, [b.fsub(v, top)]))  # log_softmax: map_reduce_all's map
         total = _reduce_all(b, lambda b, p, q: b.fadd(p, q), yr, n)
         if log:  # y = (x - max) - log(sum), the log Sleef's (vec::map over the rows' sums)

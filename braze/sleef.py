@@ -28,7 +28,19 @@ import llvmlite.ir as ll
 import torch
 
 from . import jit
-from .codegen import F32, I64, PTR, VOID, counted_loop, declared, fma, per_width, split_between_threads, to_lanes
+from .codegen import (
+    F32,
+    I64,
+    PTR,
+    VOID,
+    counted_loop,
+    declared,
+    float32,
+    fma,
+    per_width,
+    split_between_threads,
+    to_lanes,
+)
 
 LANES = 16  # the AVX512 build of ATen's kernels: Vectorized<float> has 16 lanes
 STEP = 2 * LANES  # vectorized_loop handles two vectors a step
@@ -60,12 +72,12 @@ def _formula(fn: str, b: ll.IRBuilder, x: ll.Value, f: ll.Function) -> ll.Value:
         e = b.call(f, [b.fsub(const(0.0), x) if vector else b.fneg(x)])
         return b.fdiv(one, b.fadd(e, one) if vector else b.fadd(one, e))
     if fn == "gelu_erf":  # (x * 0.5) * (1 + erf(x * alpha))
-        v = b.fmul(x, const(_f32(0.5**0.5)))
+        v = b.fmul(x, const(float32(0.5**0.5)))
         erf = _erf(b, v, f, const) if vector else b.call(f, [v])
         return b.fmul(b.fmul(x, const(0.5)), b.fadd(one, erf))
     if fn == "gelu_tanh":  # (0.5 * x) * (1 + tanh(beta * fma(x * x * x, kappa, x))): GCC fused it
-        inner = fma(b, b.fmul(b.fmul(x, x), x), const(_f32(0.044715)), x)
-        t = b.call(f, [b.fmul(const(_f32(0.5 * 2**0.5 * 2 / torch.pi**0.5)), inner)])
+        inner = fma(b, b.fmul(b.fmul(x, x), x), const(float32(0.044715)), x)
+        t = b.call(f, [b.fmul(const(float32(0.5 * 2**0.5 * 2 / torch.pi**0.5)), inner)])
         return b.fmul(b.fmul(const(0.5), x), b.fadd(one, t))
     e = b.call(f, [b.fneg(x)])
     return b.fdiv(x, b.fadd(one, e))
@@ -105,11 +117,6 @@ def _erf(b: ll.IRBuilder, v: ll.Value, exp: ll.Function, const: Callable[[float]
 
 def _abs(b: ll.IRBuilder, v: ll.Value) -> ll.Value:
     return b.call(declared(b.module, "llvm.fabs.v16f32", V16, [V16]), [v])
-
-
-def _f32(v: float) -> float:
-    """A double rounded to float, as `static_cast<float>` of ATen's constant."""
-    return torch.tensor(v, dtype=torch.float32).item()
 
 
 def _chunk(module: ll.Module, fn: str) -> ll.Function:

@@ -288,19 +288,19 @@ class CallEmitter:
         if kernel is None:
             self._dispatch(b, table, n, call, handle, fail)
             return
-        with b.if_else(self._flash_sizes(b, table, n)) as (mine, aten):
+        from ..lowering.attention import arguments
+
+        given = arguments(n.attrs["args"], n.attrs["kwargs"])
+        with b.if_else(self._flash_sizes(b, table, given)) as (mine, aten):
             with mine:
-                self._exact_attention(b, table, n, handle, kernel, fail)
+                self._exact_attention(b, table, n, given, handle, kernel, fail)
             with aten:
                 self._dispatch(b, table, n, call, handle, fail)
 
-    def _flash_sizes(self, b: ll.IRBuilder, table: ll.Value, n: Node) -> ll.Value:
-        """Whether this call's token counts are ones braze's kernel of ATen's flash attention
-        reproduces (lowering/attention.flash_sizes_ok): 12-512 keys, every block of queries
-        (32; 64 from 192 queries, 256 from 768) at least 4."""
-        from ..lowering.attention import ARGS
-
-        given = dict(zip(ARGS, n.attrs["args"])) | n.attrs["kwargs"]
+    def _flash_sizes(self, b: ll.IRBuilder, table: ll.Value, given: dict[str, Any]) -> ll.Value:
+        """Whether this call's token counts (`given`: its arguments by name) are ones braze's
+        kernel of ATen's flash attention reproduces (lowering/attention.flash_sizes_ok): 12-512
+        keys, every block of queries (32; 64 from 192 queries, 256 from 768) at least 4."""
         queries, keys = (self.mb.dim(b, table, self.mb.slot_of(given[a].name).meta.shape[2]) for a in ("query", "key"))
         big = lambda t: b.icmp_signed(">=", queries, I64(t))  # noqa: E731
         block = b.select(big(768), I64(256), b.select(big(192), I64(64), I64(32)))
@@ -310,12 +310,11 @@ class CallEmitter:
         return b.and_(ok, b.icmp_signed("<=", keys, I64(512)))
 
     def _exact_attention(
-        self, b: ll.IRBuilder, table: ll.Value, n: Node, handle: int, kernel: dict[str, Any], fail: ll.Block
+        self, b: ll.IRBuilder, table: ll.Value, n: Node, given: dict, handle: int, kernel: dict, fail: ll.Block
     ) -> None:
-        """braze's kernel in place of ATen's call: its result made as ATen lays it out (the
-        layout compiled for), the handle in the call's word, as the call's would be."""
-        from ..lowering.attention import ARGS
-
+        """braze's kernel in place of ATen's call (`given`: its arguments by name): its result
+        made as ATen lays it out (the layout compiled for), the handle in the call's word, as the
+        call's would be."""
         m = n.meta
         sizes, strides = self._shape(b, table, m.shape), self._shape(b, table, m.stride)
         with b.goto_entry_block():
@@ -327,7 +326,6 @@ class CallEmitter:
         b.store(result, self._word(b, table, handle))
         slot = self.mb.slot_of(n.name)
         b.call(self.data_ptr, [result, self._word(b, table, slot.slot)])
-        given = dict(zip(ARGS, n.attrs["args"])) | n.attrs["kwargs"]
         operands = [self.mb.slot_of(given[a].name) for a in ("query", "key", "value")] + [slot]
         mask = self.mb.slot_of(given["attn_mask"].name) if kernel["mask"] else None
         self.mb.attention(b, table, operands, mask, {"exact": True, **kernel})

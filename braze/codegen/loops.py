@@ -5,6 +5,7 @@ entry.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 from collections.abc import Callable, Iterator
@@ -580,6 +581,20 @@ def gather(b: ll.IRBuilder, base: ll.Value, first: ll.Value, step: ll.Value, mas
     pointers = b.inttoptr(b.add(splat(b, b.ptrtoint(base, I64), 16), offsets), ll.VectorType(PTR, 16))
     load = declared(b.module, "llvm.masked.gather.v16f32.v16p0", LANES16, [pointers.type, I32, mask.type, LANES16])
     return b.call(load, [pointers, I32(4), mask, ll.Constant(LANES16, [0.0] * 16)])
+
+
+def maximum(b: ll.IRBuilder, x: ll.Value, y: ll.Value) -> ll.Value:
+    """ATen's vec::maximum: max_ps(x, y) (y where they compare equal or unordered), all-ones NaN
+    where either is NaN."""
+    ty = x.type
+    n = ty.count if isinstance(ty, ll.VectorType) else None
+    ones = b.bitcast(ll.Constant(ll.VectorType(I32, n), [-1] * n) if n else I32(-1), ty)
+    return b.select(b.fcmp_unordered("uno", x, y), ones, b.select(b.fcmp_ordered(">", x, y), x, y))
+
+
+def float32(v: float) -> float:
+    """A double rounded to float32, as `static_cast<float>` of a C++ constant."""
+    return ctypes.c_float(v).value
 
 
 def combine_lanes(b: ll.IRBuilder, v: ll.Value, op: Callable[[ll.Value, ll.Value], ll.Value]) -> ll.Value:

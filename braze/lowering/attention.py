@@ -7,7 +7,6 @@ value heads, no dropout."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from typing import Any
@@ -15,14 +14,20 @@ from typing import Any
 import torch
 
 from .. import attention, config, jit
+from ..codegen import float32
 from ..ir import Node, Op, TensorMeta, contiguous_strides
 from .core import Lowerer, NotNative, Sym, is_float32
 
-ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by name (a call's, or those an EXTERN node of it keeps)."""
+    return dict(zip(_ARGS, args)) | kwargs
 
 
 def _attention(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
-    given = dict(zip(ARGS, args)) | kwargs
+    given = arguments(args, kwargs)
     if not lw.fast:
         return _exact(lw, given, out)
     q, k, v, mask = given["query"], given["key"], given["value"], given.get("attn_mask")
@@ -152,8 +157,7 @@ def flash_sizes_ok(queries: int, keys: int) -> bool:
 
 def _flash_scale(d: int, scale: Any) -> float:
     """ATen's scale: the given one, or 1 / sqrt(d) in double; a float32 value either way."""
-    value = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return ctypes.c_float(value).value
+    return float32(1.0 / math.sqrt(d) if scale is None else float(scale))
 
 
 def _same(shape: tuple[int, ...], keys: int, scale: float, causal: bool, mask: int) -> bool:

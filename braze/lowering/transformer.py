@@ -20,23 +20,19 @@ rounds).
 from __future__ import annotations
 
 import operator
-import struct
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .. import jit
+from ..codegen import float32
 from .core import Lowerer, NotNative, Sym, is_float32
 
 _ARGS = (
     "src embed_dim num_heads qkv_weight qkv_bias proj_weight proj_bias use_gelu norm_first eps norm_weight_1 "
     "norm_bias_1 norm_weight_2 norm_bias_2 ffn_weight_1 ffn_bias_1 ffn_weight_2 ffn_bias_2 mask mask_type"
 ).split()
-
-
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _encoder_layer(lw: Lowerer, fn: Any, args: tuple, kwargs: dict, out: Any) -> Sym:
@@ -97,7 +93,7 @@ def _attention(ops: _Ops, x: Sym, g: dict, b: int, t: int, d: int, heads: int) -
     qkv = ops.call(F.linear, ops.method("view", x, b * t, d), g["qkv_weight"])  # ATen: mm(x, W^T)
     qkv = ops.method("view", qkv, b, t, 3, heads, dh)
     bias = ops.method("view", g["qkv_bias"], 3, 1, 1, heads, dh)
-    scale = _f32(1.0 / _f32(dh**0.5))  # sqrtf, then a double division rounded to float
+    scale = float32(1.0 / float32(dh**0.5))  # sqrtf, then a double division rounded to float
 
     def part(i: int, scaled: bool = False) -> Sym:
         v = ops.add(ops.item(qkv, (slice(None), slice(None), i)), ops.item(bias, i))
