@@ -20,6 +20,7 @@ TorchDynamo's answer: Hugging Face's, told no, takes paths TorchDynamo cannot tr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -290,7 +291,7 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             # A hook added to a layer after compiling is eager's to run: TorchDynamo then guards
             # the layers' hook tables (by default it does not, and such a hook was left out)
             with dynamo_config.patch(skip_nnmodule_hook_guards=False):
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
         except Exception:
             # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
             # failing where eager works must not break the user (it runs eagerly from then on).
@@ -298,6 +299,12 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
             wrapper._say(f"{why}; TorchDynamo capture failed too")
             wrapper._dynamo = wrapper.fn
             return out
+        # The witness of what TorchDynamo ran (compiled, most often), made now rather than at
+        # the next call, which then skips the guards too (bert-tiny's second call took ~10 ms
+        # making it). (Nothing here may fail the call: the next one tries again.)
+        with contextlib.suppress(Exception):
+            guarded(args, kwargs)
+        return out
 
     call.memo = guarded.memo  # type: ignore[attr-defined]  # (for tests)
     return call
