@@ -407,7 +407,8 @@ def _driver(module: ll.Module, name: str, panel_of: Callable, seeded: bool, piec
     buf.add_incoming(heap, allocated)
     for k0, depth, j0, ncols, first in blocks():
         panel, ldp = panel_of(b, w, ldw, k0, j0, depth, ncols, buf)
-        following = _following(b, w, ldw, k, n, kc, k0, j0, packed) if packed or per_row else null
+        in_place = panel_of is _panel_kn  # (a [K, N] weight's panel read where it is)
+        following = _following(b, w, ldw, k, n, kc, k0, j0, packed) if packed or in_place else null
         nk_next = _next_panel(b, k, n, kc, k0, j0) if panel_of is _panel_nk else None
         # rows lo..hi in blocks of as even heights as MR allows (64 rows: 11 blocks of 5 and 6,
         # not 10 of 6 and one of 4; one row's block is latency-bound, 4 cycles a step)
