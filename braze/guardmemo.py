@@ -167,6 +167,7 @@ def record(entry: Any, guards: list[tuple[str, Any, dict]], fn: Any, scope: dict
         b.guard(kind, source, arguments)
     pairs = list(b.words.items())
     tensors = tuple(b.tensors.values())
+    _words_equal()  # (built now, with the witness, not by the first call that checks one)
     return Witness(
         entry=entry,
         words=(ctypes.c_uint64 * (2 * len(pairs) or 1))(*[x for pair in pairs for x in pair]),
