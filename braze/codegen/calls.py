@@ -299,15 +299,19 @@ class CallEmitter:
 
     def _flash_sizes(self, b: ll.IRBuilder, table: ll.Value, given: dict[str, Any]) -> ll.Value:
         """Whether this call's token counts (`given`: its arguments by name) are ones braze's
-        kernel of ATen's flash attention reproduces (lowering/attention.flash_sizes_ok): 12-512
-        keys, every block of queries (32; 64 from 192 queries, 256 from 768) at least 4."""
+        kernel of ATen's flash attention reproduces: lowering/attention.flash_sizes_ok, on the
+        same constants."""
+        from ..lowering.attention import KEYS, MIN_BLOCK, QUERY_BLOCKS
+
         queries, keys = (self.mb.dim(b, table, self.mb.slot_of(given[a].name).meta.shape[2]) for a in ("query", "key"))
         big = lambda t: b.icmp_signed(">=", queries, I64(t))  # noqa: E731
-        block = b.select(big(768), I64(256), b.select(big(192), I64(64), I64(32)))
+        block = I64(QUERY_BLOCKS[-1][1])
+        for start, size in reversed(QUERY_BLOCKS[:-1]):
+            block = b.select(big(start), I64(size), block)
         rest = b.srem(queries, block)
-        blocks = b.or_(b.icmp_signed("==", rest, I64(0)), b.icmp_signed(">=", rest, I64(4)))
-        ok = b.and_(b.and_(big(4), blocks), b.icmp_signed(">=", keys, I64(12)))
-        return b.and_(ok, b.icmp_signed("<=", keys, I64(512)))
+        blocks = b.or_(b.icmp_signed("==", rest, I64(0)), b.icmp_signed(">=", rest, I64(MIN_BLOCK)))
+        ok = b.and_(b.and_(big(MIN_BLOCK), blocks), b.icmp_signed(">=", keys, I64(KEYS[0])))
+        return b.and_(ok, b.icmp_signed("<=", keys, I64(KEYS[1])))
 
     def _exact_attention(
         self, b: ll.IRBuilder, table: ll.Value, n: Node, given: dict, handle: int, kernel: dict, fail: ll.Block

@@ -147,12 +147,20 @@ def per_call(given: dict, metas: dict[str, TensorMeta], out: TensorMeta) -> dict
     return form
 
 
+# ATen's flash attention's blocks of queries, (from this many queries, the block), largest first;
+# the least a block may hold and the keys (one block of them) where braze's kernel takes its paths
+QUERY_BLOCKS = ((768, 256), (192, 64), (0, 32))
+MIN_BLOCK = 4  # (blocks of 1-3 queries: MKL's other kernels)
+KEYS = (12, 512)
+
+
 def flash_sizes_ok(queries: int, keys: int) -> bool:
     """Whether ATen's flash attention of these token counts takes the paths braze's kernel
-    reproduces: one block of keys (12-512), every block of queries at least 4 (codegen/calls.py
-    checks the same per call)."""
-    block = 256 if queries >= 768 else 64 if queries >= 192 else 32
-    return queries >= 4 and queries % block not in (1, 2, 3) and 12 <= keys <= 512
+    reproduces: one block of keys (KEYS), every block of queries at least MIN_BLOCK
+    (codegen/calls.py checks the same per call, from the same constants)."""
+    block = next(size for start, size in QUERY_BLOCKS if queries >= start)
+    rest = queries % block
+    return queries >= MIN_BLOCK and (rest == 0 or rest >= MIN_BLOCK) and KEYS[0] <= keys <= KEYS[1]
 
 
 def _flash_scale(d: int, scale: Any) -> float:

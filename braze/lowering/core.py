@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from .. import config
 from ..capture import Captured
+from ..codegen import float32
 from ..ir import COMPARE, INTEGERS, Graph, Node, Op, Operand, TensorMeta
 
 
@@ -233,7 +234,7 @@ class Lowerer:
             raise NotNative(f"a scalar that is not a {whole} value beside {whole} tensors")
         if isinstance(a, (bool, int, float)) and not allow_bool:
             # ATen casts a Python scalar to the op's float32 compute type before using it.
-            return float(torch.tensor(float(a), dtype=torch.float32).item())
+            return float32(float(a))
         raise NotNative(f"operand of type {type(a).__name__}")
 
     # --- running FX nodes --------------------------------------------------------------------
