@@ -290,6 +290,7 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
                 return code(*args, **kwargs)
             # A hook added to a layer after compiling is eager's to run: TorchDynamo then guards
             # the layers' hook tables (by default it does not, and such a hook was left out)
+            guarded.memo.forget()
             with dynamo_config.patch(skip_nnmodule_hook_guards=False):
                 out = compiled(*args, **kwargs)
         except Exception:
@@ -320,7 +321,12 @@ def _guarded_code(
     break's resume functions), while TorchDynamo traces, or where the user set it aside (a
     stance other than the default, `torch._dynamo.config.disable`). Calling it directly skips
     TorchDynamo's per-call frame handling around the guards (`bert-tiny`: about 0.1 ms of 1.6).
-    What does not change between calls (TorchDynamo's modules, own's closure) is read here once."""
+    What does not change between calls (TorchDynamo's modules, own's closure) is read here once.
+
+    A call whose witness holds takes the witness's code without reading TorchDynamo's entries:
+    the witness is made for the newest entry only, and dropped before TorchDynamo compiles
+    another (only `call` compiles `own`). After torch._dynamo.reset() that code stays in use
+    while the witness holds (it is still the code for that state); a change compiles anew."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo import config as dynamo_config
     from torch._dynamo import eval_frame
@@ -343,19 +349,21 @@ def _guarded_code(
     def code_for(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
         if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
             return None
-        entries = _debug_get_cache_entry_list(own.__code__)
         witness = memo.witness if config.guard_memo else None
         try:  # (a witness that cannot be checked holds nothing)
-            newest = entries and witness is not None and witness.entry is entries[0].guard_manager
-            state = bool(newest) and witness.state_holds()
+            state = witness is not None and witness.state_holds()
             holds = state and witness.arguments_hold(args, kwargs)
         except Exception:
             state = holds = False
-        if holds:
+        if holds:  # (the witness's entry is the newest: memo.forget drops it before TorchDynamo compiles)
             if config.debug:  # (the witness's claim, checked)
-                assert entries[0].guard_manager.check({"args": args, "kwargs": kwargs, **free}), "stale guard memo"
+                entries = _debug_get_cache_entry_list(own.__code__)
+                newest = not entries or witness.entry is entries[0].guard_manager  # (none: after a reset)
+                assert newest, "the guard memo's entry is not the newest"
+                assert witness.entry.check({"args": args, "kwargs": kwargs, **free}), "stale guard memo"
             memo.hits += 1
-            return function(entries[0].code)
+            return memo.code
+        entries = _debug_get_cache_entry_list(own.__code__)
         frame = {"args": args, "kwargs": kwargs, **free}
         for i, entry in enumerate(entries):
             try:
@@ -365,7 +373,8 @@ def _guarded_code(
             if passed:
                 fn = function(entry.code)
                 if i == 0 and fn is not None and config.guard_memo:
-                    memo.passed(entry, args, kwargs, witness if state else None)
+                    same = state and witness.entry is entry.guard_manager  # (only the arguments changed)
+                    memo.passed(entry, fn, args, kwargs, witness if same else None)
                 return fn
         return None
 
@@ -384,24 +393,32 @@ class _GuardMemo:
     def __init__(self, own: Callable[..., Any], recorder: guardmemo.Recorder, free: dict) -> None:
         self.own, self.recorder, self.free = own, recorder, free
         self.witness: guardmemo.Witness | None = None
+        self.code: Callable[..., Any] | None = None  # the witness's entry's code, as a function
         self.records: dict[int, int] = {}  # by id(guard manager): witnesses made
         self.why: str = ""  # why the last entry has none
         self.hits = 0  # calls that skipped the guards
 
-    def passed(self, entry: Any, args: tuple, kwargs: dict, witness: guardmemo.Witness | None) -> None:
+    def forget(self) -> None:
+        """Drop the witness: TorchDynamo is about to compile an entry that goes before its own."""
+        self.witness = self.code = None
+
+    def passed(
+        self, entry: Any, code: Callable[..., Any], args: tuple, kwargs: dict, witness: guardmemo.Witness | None
+    ) -> None:
         try:
             if witness is None:
                 made = self.records.get(id(entry.guard_manager), 0)
                 guards = self.recorder.guards.get(entry.compile_id)
                 if made >= self.MAX_RECORDS or guards is None:
-                    self.witness = None
+                    self.forget()
                     return
                 self.records[id(entry.guard_manager)] = made + 1
                 witness = guardmemo.record(entry.guard_manager, guards, self.free["fn"], self.own.__globals__)
             witness.arguments = guardmemo.Arguments.of(args, kwargs, witness.tensor_ids)
-            self.witness = witness
+            self.witness, self.code = witness, code
         except Exception as e:  # (guardmemo.Unsupported, or its own failure: the guards run, as before)
-            self.witness, self.why = None, str(e)
+            self.forget()
+            self.why = str(e)
             self.records[id(entry.guard_manager)] = self.MAX_RECORDS
             if config.debug and not isinstance(e, guardmemo.Unsupported):
                 raise

@@ -13,11 +13,16 @@ What a guard reads is its source, a chain of reads from the frame's arguments, t
 the globals; a read's result stays the same while what it reads from is unchanged:
 - an attribute in an instance's or module's `__dict__`, a class attribute (every class
   dictionary on the MRO: one could add a data descriptor or shadow it), an item of a dict: the
-  dictionary's version tag (CPython moves it on every change);
-- an object's type, a closure cell's contents, a function's `__code__` / `__defaults__` /
-  `__kwdefaults__`: the word in the object (its address and the value it held);
-- what no word tells (an attribute through a custom `__getattribute__`, a property, an item of a
-  list, `hasattr`): the read itself, again, in Python (`calls`);
+  dictionary's version tag (CPython moves it on every change), and the instance's pointer to
+  its `__dict__` (an assignment to `obj.__dict__` leaves the old dictionary's version as it was);
+- an object's type, a closure cell's contents, what a C-level slot holds (a function's
+  `__code__` / `__defaults__` / `__kwdefaults__` / `__name__`, a class's `__name__` and
+  `__mro__`, a property's getter, a static or class method's function: _SLOTS): the word in
+  the object (its address and the value it held);
+- an attribute through a Python `__getattribute__` that `_HOOKS` knows (Hugging Face configs'):
+  what its model says the function reads, as words;
+- what no word tells (another `__getattribute__`, a property, an item of a list, `hasattr` of
+  a descriptor): the read itself, again, in Python (`calls`);
 - tensors' layouts (TENSOR_MATCH): TorchDynamo's own C++ check (TensorGuards), the arguments'
   at their exact sizes and strides; the global state (grad mode, default dtype, threads,
   autocast, deterministic algorithms): its GlobalStateGuard, plus the torch-function mode stack,
@@ -32,6 +37,7 @@ import collections
 import ctypes
 import dataclasses
 import gc
+import hashlib
 import sys
 import types
 from collections.abc import Callable
@@ -223,7 +229,8 @@ class _Builder:
                 raise Unsupported(f"a value of type {type(value).__name__} compared by equality")
             self.version(value)
         elif kind == "NOT_PRESENT_IN_GENERIC_DICT":
-            self.version(_instance_dict(value))
+            if self.own_dict(value) is None:
+                raise Unsupported(f"a {type(value).__name__} without a plain __dict__")
         elif kind in ("DICT_NOT_CONTAINS", "DICT_CONTAINS", "DICT_KEYS_MATCH", "DICT_VERSION", "DICT_LENGTH"):
             self.version(value)
         elif kind == "EMPTY_NN_MODULE_HOOKS_DICT":
@@ -244,18 +251,26 @@ class _Builder:
 
     def has_attribute(self, obj: Any, name: str) -> bool | None:
         """hasattr(obj, name) from the dictionaries it reads (noted), where an object's lookup is
-        Python's own and its __getattr__ none or nn.Module's; None where it cannot tell."""
+        Python's own (or a hook of _HOOKS before it) and its __getattr__ none or nn.Module's;
+        None where it cannot tell."""
         cls = type(obj)
-        if cls.__getattribute__ is not object.__getattribute__ or name.startswith("__"):
+        if name.startswith("__"):
             return None
+        if cls.__getattribute__ not in _GENERIC:
+            chain = self.hooks(cls)
+            if chain is None:
+                return None
+            try:
+                name = self.renamed(obj, name, chain)
+            except Unsupported:
+                return None
         found = _class_attribute(cls, name)
         if found is not _MISSING and type(found) is not types.FunctionType and hasattr(type(found), "__get__"):
             return None  # a property or another descriptor: its __get__ may raise
-        own = getattr(obj, "__dict__", None)
-        if type(own) is not dict:
-            return None
         self.classes(cls)
-        self.version(own)
+        own = self.own_dict(obj)
+        if own is None:
+            return None
         if name in own or found is not _MISSING:
             return True
         hook = _class_attribute(cls, "__getattr__")
@@ -291,10 +306,57 @@ class _Builder:
     def type_of(self, obj: Any) -> None:
         self.word(obj, id(obj) + _OFFSETS["ob_type"], id(type(obj)), type(obj))
 
-    def slot(self, fn: types.FunctionType, name: str) -> Any:
-        value = getattr(fn, name)  # (no defaults: the slot holds NULL, Python reads None)
-        self.word(fn, id(fn) + _OFFSETS[name], 0 if value is None else id(value), value)
+    def slot(self, obj: Any, name: str) -> Any:
+        """obj.name, a pointer its C struct holds (_SLOTS: the descriptor of a function's code,
+        a class's name...); the word is the pointer as it is (NULL reads None)."""
+        value = getattr(obj, name)
+        address = id(obj) + _SLOTS[id(_class_attribute(type(obj), name))]
+        stored = ctypes.c_uint64.from_address(address).value
+        if stored != id(value) and not (value is None and stored == 0):
+            raise Unsupported(f"{type(obj).__name__}.{name} not where its samples had it")
+        self.word(obj, address, stored, value)
         return value
+
+    def own_dict(self, obj: Any) -> dict | None:
+        """obj's __dict__ (None where it has no plain one), noting its version and the pointer
+        to it (an assignment to obj.__dict__ replaces the dictionary, whose version stays)."""
+        if not isinstance(_class_attribute(type(obj), "__dict__"), _DICT_DESCRIPTORS):
+            return None
+        own = getattr(obj, "__dict__", None)
+        if type(own) is not dict:
+            return None
+        address = _dict_pointer(obj)
+        if address is None or ctypes.c_uint64.from_address(address).value != id(own):
+            raise Unsupported(f"a {type(obj).__name__} whose __dict__ is not where its samples had it")
+        self.word(obj, address, id(own), own)
+        self.version(own)
+        return own
+
+    def hooks(self, cls: type) -> list[Callable[..., str]] | None:
+        """The models (_HOOKS) of the __getattribute__ functions on cls's MRO before object's, in
+        its order, noting what they read; None where one is not known."""
+        chain = []
+        for c in cls.__mro__[:-1]:
+            fn = _type_dict(c).get("__getattribute__", _MISSING)
+            if fn is _MISSING:
+                continue
+            model = _HOOKS.get(_digest(fn)) if type(fn) is types.FunctionType else None
+            if model is None:
+                return None
+            cell = fn.__closure__[fn.__code__.co_freevars.index("__class__")]
+            if self.attribute(cell, "cell_contents") is not c:  # (super() reads the class after c)
+                return None
+            self.slot(fn, "__code__")
+            self.version(fn.__globals__)  # (`super` is a global read, from builtins unless shadowed)
+            self.version(fn.__builtins__)
+            chain.append(model)
+        return chain
+
+    def renamed(self, obj: Any, name: str, chain: list[Callable[..., str]]) -> str:
+        """The name object's lookup reads after the hooks of `chain` (hooks) map it."""
+        for i, hook in enumerate(chain):
+            name = hook(self, obj, name, chain[i + 1 :])
+        return name
 
     def classes(self, cls: type) -> None:
         """The dictionaries of cls's MRO that can change (an attribute found there, or one added
@@ -350,9 +412,7 @@ class _Builder:
         if kind is S.TypeDictSource:
             return _type_dict(self.value(source.base))
         if kind is S.TypeMROSource:
-            cls = self.value(source.base)
-            self.call("getattr", cls, "__mro__", cls.__mro__)
-            return cls.__mro__
+            return self.attribute(self.value(source.base), "__mro__")
         if kind is S.ClosureSource:
             return self.value(source.base).__closure__  # (read-only)
         if kind is S.DefaultsSource:
@@ -366,64 +426,119 @@ class _Builder:
 
     def attribute(self, obj: Any, name: str) -> Any:
         """obj.name, noting what the lookup reads."""
-        if type(obj) is types.CellType and name == "cell_contents":
-            value = obj.cell_contents
-            self.word(obj, id(obj) + _OFFSETS["cell_contents"], id(value), value)
-            return value
-        if type(obj) is types.FunctionType and name in ("__code__", "__defaults__", "__kwdefaults__"):
-            return self.slot(obj, name)
-        if type(obj) is types.FunctionType and name in ("__globals__", "__closure__"):
+        cls = type(obj)
+        if cls is types.FunctionType and name in ("__globals__", "__closure__"):
             return getattr(obj, name)  # (read-only)
-        if isinstance(obj, types.ModuleType) and type(obj).__getattribute__ is types.ModuleType.__getattribute__:
-            if name in obj.__dict__ and not _data_descriptor(type(obj), name):
-                self.classes(type(obj))  # (a module's own class: one could add a descriptor)
+        if isinstance(obj, types.ModuleType) and cls.__getattribute__ is types.ModuleType.__getattribute__:
+            if name in obj.__dict__ and not _data_descriptor(_class_attribute(cls, name)):
+                self.classes(cls)  # (a module's own class: one could add a descriptor)
                 self.version(obj.__dict__)
                 return obj.__dict__[name]
-        if isinstance(obj, type) and type(obj) is type and not name.startswith("__"):
+        if isinstance(obj, type) and cls.__getattribute__ is type.__getattribute__:
             return self.class_attribute(obj, name)
-        if type(obj).__getattribute__ is object.__getattribute__ and not name.startswith("__"):
+        if cls.__getattribute__ in _GENERIC:
             return self.instance_attribute(obj, name)
-        value = getattr(obj, name)  # a custom __getattribute__, a dunder: read again every call
+        chain = self.hooks(cls)
+        if chain is not None:
+            return self.instance_attribute(obj, self.renamed(obj, name, chain))
+        return self.asked(obj, name)  # another __getattribute__: read again every call
+
+    def asked(self, obj: Any, name: str) -> Any:
+        value = getattr(obj, name)
         self.call("getattr", obj, name, value)
         return value
 
     def class_attribute(self, cls: type, name: str) -> Any:
+        """cls.name as type.__getattribute__ finds it: the metaclass's data descriptor, else the
+        classes of the MRO, else (asked again) the metaclass's other attributes or __getattr__."""
+        meta = type(cls)
+        self.classes(meta)
+        described = _class_attribute(meta, name)
+        if _data_descriptor(described):
+            if id(described) not in _SLOTS:
+                return self.asked(cls, name)
+            # type's __name__ and __mro__: a heap type's pointers, a static type's fixed
+            return self.slot(cls, name) if cls.__flags__ & _HEAPTYPE else getattr(cls, name)
         self.classes(cls)
         for c in cls.__mro__:
             raw = _type_dict(c).get(name, _MISSING)
             if raw is not _MISSING:
                 if hasattr(type(raw), "__get__") and type(raw) is not types.FunctionType:
-                    value = getattr(cls, name)  # classmethod, property...: read again
-                    self.call("getattr", cls, name, value)
-                    return value
+                    return self.asked(cls, name)  # classmethod, property...
                 return raw
-        raise Unsupported(f"class attribute {name} not in the MRO")
+        return self.asked(cls, name)
 
     def instance_attribute(self, obj: Any, name: str) -> Any:
         cls = type(obj)
         self.classes(cls)
         found = _class_attribute(cls, name)
-        descriptor = type(found)
-        if found is not _MISSING and _data_descriptor(cls, name):
-            value = getattr(obj, name)  # a property, a slot: read again
-            self.call("getattr", obj, name, value)
-            return value
-        own = getattr(obj, "__dict__", None)
-        if type(own) is dict:
-            self.version(own)
-            if name in own:
-                return own[name]
+        if _data_descriptor(found):  # a property, a slot: before the instance's own
+            if found is _CLASS_OF_OBJECT:
+                self.type_of(obj)
+                return cls
+            return self.slot(obj, name) if id(found) in _SLOTS else self.asked(obj, name)
+        own = self.own_dict(obj)
+        if own is not None and name in own:
+            return own[name]
         if found is not _MISSING:
-            if hasattr(descriptor, "__get__"):  # a method: a new bound object each time
-                value = getattr(obj, name)
-                self.call("getattr", obj, name, value)
-                return value
+            if hasattr(type(found), "__get__"):  # a method: a new bound object each time
+                return self.asked(obj, name)
             return found
-        if type(own) is dict and _class_attribute(cls, "__getattr__") is torch.nn.Module.__getattr__:
+        if own is not None and _class_attribute(cls, "__getattr__") is torch.nn.Module.__getattr__:
             value = self.module_lookup(own, name)
             if value is not _MISSING:
                 return value
         raise Unsupported(f"attribute {name} of a {cls.__name__}")
+
+
+def _aliased(b: _Builder, obj: Any, name: str, rest: list[Callable[..., str]]) -> str:
+    """transformers' PreTrainedConfig: a name its attribute_map holds reads the one it maps to."""
+    if name == "attribute_map":
+        return name
+    table = b.instance_attribute(obj, b.renamed(obj, "attribute_map", rest))
+    if type(table) is not dict:
+        raise Unsupported(f"an attribute_map of type {type(table).__name__}")
+    b.version(table)
+    return table.get(name, name)
+
+
+def _homogeneous(b: _Builder, obj: Any, name: str, rest: list[Callable[..., str]]) -> str:
+    """transformers' HeterogeneousConfigMixin: object's lookup, on a config without per-layer
+    attributes (its __dict__ holds no _heterogeneity_spec)."""
+    own = b.own_dict(obj)
+    if own is None or own.get("_heterogeneity_spec") is not None:
+        raise Unsupported("a heterogeneous config")
+    return name
+
+
+def _digest(fn: types.FunctionType) -> str:
+    """Which code fn runs, for _HOOKS: its Python version and a hash of its instructions,
+    constants and names."""
+    digest = hashlib.sha256(_code_text(fn.__code__).encode()).hexdigest()[:16]
+    return f"{sys.version_info.major}.{sys.version_info.minor}:{digest}"
+
+
+def _code_text(c: types.CodeType) -> str:
+    consts = [_code_text(k) if type(k) is types.CodeType else f"{type(k).__name__}:{k!r}" for k in c.co_consts]
+    return repr((c.co_code, consts, c.co_names, c.co_varnames, c.co_freevars))
+
+
+# The Python __getattribute__ functions whose reads the witness knows (by their code's _digest:
+# another version of the library, or of Python, leaves them asked again every call). Each model
+# (builder, obj, name, the hooks after it) notes what the function reads before it passes the
+# lookup on, and gives the name it passes. Hugging Face's configs have both: without them each
+# config read was a call of ~3 us (17 of them in a BertModel's guards).
+_HOOKS: dict[str, Callable[[_Builder, Any, str, list], str]] = {
+    "3.11:5d0fb7d762130c8c": _aliased,  # transformers 5's PreTrainedConfig.__getattribute__
+    "3.11:236a3cfd8945d33b": _homogeneous,  # transformers 5's HeterogeneousConfigMixin.__getattribute__
+}
+# The __getattribute__ of types whose lookup is object's (CPython's PyObject_GenericGetAttr)
+_GENERIC = (
+    object.__getattribute__, property.__getattribute__, staticmethod.__getattribute__,
+    classmethod.__getattribute__, types.CellType.__getattribute__,
+)  # fmt: skip
+_CLASS_OF_OBJECT = vars(object)["__class__"]
+_DICT_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
 
 
 _MISSING = object()
@@ -433,10 +548,9 @@ def _class_attribute(cls: type, name: str) -> Any:
     return next((_type_dict(c)[name] for c in cls.__mro__ if name in _type_dict(c)), _MISSING)
 
 
-def _data_descriptor(cls: type, name: str) -> bool:
-    """Whether cls's attribute `name` takes precedence over an instance's own (a property, a slot)."""
-    found = type(_class_attribute(cls, name))
-    return hasattr(found, "__set__") or hasattr(found, "__delete__")
+def _data_descriptor(found: Any) -> bool:
+    """Whether a class attribute takes precedence over an instance's own (a property, a slot)."""
+    return found is not _MISSING and (hasattr(type(found), "__set__") or hasattr(type(found), "__delete__"))
 
 
 def _argument(source: Any) -> bool:
@@ -468,13 +582,6 @@ def _immutable(v: Any) -> bool:
     if isinstance(v, tuple | frozenset):
         return type(v) in (tuple, frozenset) and all(_immutable(x) for x in v)
     return type(v) in _IMMUTABLE or type(v) is types.CodeType or type(v).__eq__ is object.__eq__
-
-
-def _instance_dict(obj: Any) -> dict:
-    own = getattr(obj, "__dict__", None)
-    if type(own) is not dict:
-        raise Unsupported(f"a {type(obj).__name__} without a plain __dict__")
-    return own
 
 
 def _type_dict(cls: type) -> dict:
@@ -527,28 +634,49 @@ def _saved_tensors_hooks() -> Any:
 
 
 # --- CPython's layout, found on samples (None: the memo stays off) ------------------------------
-def _find_offsets() -> dict[str, int] | None:
+def _find_offsets() -> tuple[dict[str, int], dict[int, int]] | None:
+    """Where objects keep what the witness reads as words: the type's pointer, a managed
+    __dict__'s pointer (before the object), and the pointers behind the descriptors of _SLOTS
+    (by the descriptor's id)."""
+
     def word(obj: Any, offset: int) -> int:
         return ctypes.c_uint64.from_address(id(obj) + offset).value
+
+    class Sample:  # a heap type whose name and qualified name are two strings
+        __qualname__ = "braze.sample"
 
     def sample(a: int = 1, *, b: int = 2) -> int:
         return a + b + marker
 
     marker = 3
-    cell = sample.__closure__[0]
-    offsets = {"ob_type": 8, "cell_contents": 16}
-    if word(sample, 8) != id(types.FunctionType) or word(cell, 16) != id(cell.cell_contents):
+    instance = Sample()
+    own = instance.__dict__
+    managed = [k for k in range(-48, 0, 8) if word(instance, k) == id(own)]
+    if word(sample, 8) != id(types.FunctionType) or len(managed) != 1:
         return None
-    for name in ("__code__", "__defaults__", "__kwdefaults__"):
-        target = id(getattr(sample, name))
-        hits = [k for k in range(16, types.FunctionType.__basicsize__ - 7, 8) if word(sample, k) == target]
+    reads = [(sample, name) for name in ("__code__", "__defaults__", "__kwdefaults__", "__name__")]
+    reads += [(sample.__closure__[0], "cell_contents"), (property(sample), "fget"), (Sample, "__name__")]
+    reads += [(staticmethod(sample), "__func__"), (classmethod(sample), "__func__"), (Sample, "__mro__")]
+    slots = {}
+    for obj, name in reads:
+        target = id(getattr(obj, name))
+        hits = [k for k in range(16, type(obj).__basicsize__ - 7, 8) if word(obj, k) == target]
         if len(hits) != 1:
             return None
-        offsets[name] = hits[0]
-    return offsets
+        slots[id(_class_attribute(type(obj), name))] = hits[0]
+    return {"ob_type": 8, "managed_dict": managed[0]}, slots
 
 
-_OFFSETS = _find_offsets() or {}
+_OFFSETS, _SLOTS = _find_offsets() or ({}, {})
+_MANAGED_DICT = 1 << 4  # Py_TPFLAGS_MANAGED_DICT: the instance's __dict__ pointer lies before it
+
+
+def _dict_pointer(obj: Any) -> int | None:
+    """The address of the pointer to obj's __dict__; None where it is not known."""
+    cls = type(obj)
+    if cls.__flags__ & _MANAGED_DICT:
+        return id(obj) + _OFFSETS["managed_dict"]
+    return id(obj) + cls.__dictoffset__ if cls.__dictoffset__ > 0 else None  # (not a variable-sized one's)
 
 
 def _usable() -> bool:

@@ -51,6 +51,7 @@ class Config:
 
     def __init__(self) -> None:
         self.shift = 0.5
+        self.other = 0.25
 
     def __getattribute__(self, key: str):
         if key != "attribute_map" and key in super().__getattribute__("attribute_map"):
@@ -80,6 +81,8 @@ class Stateful(torch.nn.Module):
         y = self.gate(self.fc(x)) * self.scale * SCALE + self.OFFSET + self.config.offset
         y = _activation(y) if self.table["act"] == "relu" else torch.tanh(y)
         y = _closed(_shifted(y))
+        if type(self.gate).__name__ != "Gate" or _shifted.__name__ != "_shifted":  # names read
+            y = -y
         if kwargs.get("flag"):
             y = y * 3
         other = kwargs.get("other")
@@ -142,6 +145,11 @@ CHANGES = {
     "global function": lambda m, mp: mp.setattr(sys.modules[__name__], "_activation", torch.tanh),
     "class attribute": lambda m, mp: mp.setattr(Stateful, "OFFSET", 5.0),
     "custom __getattribute__": lambda m, mp: setattr(m.config, "shift", 1.5),
+    "its attribute map": lambda m, mp: mp.setitem(Config.attribute_map, "offset", "other"),
+    "its own attribute map": lambda m, mp: setattr(m.config, "attribute_map", {"offset": "other"}),
+    "__dict__ replaced": lambda m, mp: setattr(m, "__dict__", {**m.__dict__, "scale": 3.0}),
+    "class name": lambda m, mp: setattr(Gate, "__name__", "Other"),  # (monkeypatch would delete it)
+    "function name": lambda m, mp: mp.setattr(_shifted, "__name__", "other"),
     "dict item": lambda m, mp: m.table.__setitem__("act", "tanh"),
     "training flag": lambda m, mp: m.gate.train(),
     "forward hook": lambda m, mp: m.fc.register_forward_hook(lambda mod, inp, out: out * -1),
@@ -169,6 +177,7 @@ def test_a_change_the_guards_see_is_followed(change, monkeypatch):  # (monkeypat
             assert memo.hits > hits, "the memo holds again once the new state is seen"
     finally:
         _set_closed(1.5)
+        Gate.__name__ = "Gate"
 
 
 def test_arguments_are_compared_whole():
@@ -207,6 +216,21 @@ def test_global_state_is_compared():
                 _follows(compiled, model, x)
             finally:
                 torch.set_num_threads(threads)
+
+
+def test_after_a_reset_of_torchdynamo_the_answers_stay_eager_s():
+    """The witness's code stays in use while it holds (backend._guarded_code); a change then
+    compiles anew."""
+    model = Stateful().eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad(), _strict():
+        compiled, memo = _compiled(model, x)
+        torch._dynamo.reset()
+        hits = memo.hits
+        _follows(compiled, model, x)
+        assert memo.hits > hits
+        model.scale = 3.0
+        _follows(compiled, model, x)
 
 
 def test_switched_off_the_guards_run_every_call():
@@ -262,6 +286,8 @@ def test_hugging_face_models_take_the_memo():
             assert_same(compiled(ids).last_hidden_state, model(ids).last_hidden_state)
         memo = compiled._dynamo.memo
         assert memo.witness is not None and memo.hits >= 1, memo.why
+        # its config's reads (through transformers' own __getattribute__) are words (_HOOKS)
+        assert not [c for c in memo.witness.calls if c[0] == "getattr" and c[1] is model.config]
         model.config.output_hidden_states = True  # read by the forward: its guard sees it
         for _ in range(2):
             got, want = compiled(ids), model(ids)
