@@ -444,7 +444,11 @@ class _Builder:
         return self.asked(obj, name)  # another __getattribute__: read again every call
 
     def asked(self, obj: Any, name: str) -> Any:
-        value = getattr(obj, name)
+        """obj.name, read again on every check (_call_holds)."""
+        try:
+            value = getattr(obj, name)
+        except Exception as e:  # (the guards read it: gone already, the state is changing)
+            raise Unsupported(f"{type(obj).__name__}.{name} unreadable ({e})") from e
         self.call("getattr", obj, name, value)
         return value
 
