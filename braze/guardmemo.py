@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import dis
 import gc
 import hashlib
 import sys
@@ -265,6 +266,10 @@ class _Builder:
             except Unsupported:
                 return None
         found = _class_attribute(cls, name)
+        alias = self.alias(found, name)
+        if alias is not None:  # (its getter reads obj.alias: hasattr is whether that is there)
+            self.classes(cls)
+            return self.has_attribute(obj, alias)
         if found is not _MISSING and type(found) is not types.FunctionType and hasattr(type(found), "__get__"):
             return None  # a property or another descriptor: its __get__ may raise
         self.classes(cls)
@@ -351,6 +356,15 @@ class _Builder:
             self.version(fn.__builtins__)
             chain.append(model)
         return chain
+
+    def alias(self, found: Any, name: str) -> str | None:
+        """The attribute a property's getter returns as it is (`return self.other`, all it
+        does), noting the getter and its code; None for any other class attribute."""
+        other = _alias(found)
+        if other is None or other == name:
+            return None
+        self.slot(self.slot(found, "fget"), "__code__")
+        return other
 
     def renamed(self, obj: Any, name: str, chain: list[Callable[..., str]]) -> str:
         """The name object's lookup reads after the hooks of `chain` (hooks) map it."""
@@ -480,6 +494,9 @@ class _Builder:
             if found is _CLASS_OF_OBJECT:
                 self.type_of(obj)
                 return cls
+            alias = self.alias(found, name)
+            if alias is not None:
+                return self.attribute(obj, alias)
             return self.slot(obj, name) if id(found) in _SLOTS else self.asked(obj, name)
         own = self.own_dict(obj)
         if own is not None and name in own:
@@ -513,6 +530,18 @@ def _homogeneous(b: _Builder, obj: Any, name: str, rest: list[Callable[..., str]
     if own is None or own.get("_heterogeneity_spec") is not None:
         raise Unsupported("a heterogeneous config")
     return name
+
+
+def _alias(found: Any) -> str | None:
+    """For a property whose getter is `def f(self): return self.name` (nothing else), the name."""
+    fget = found.fget if type(found) is property else None
+    if type(fget) is not types.FunctionType or fget.__closure__ or fget.__code__.co_argcount != 1:
+        return None
+    code = fget.__code__
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in ("RESUME", "CACHE", "NOP")]
+    if len(ops) != 3 or ops[0] != ("LOAD_FAST", code.co_varnames[0]) or ops[2][0] != "RETURN_VALUE":
+        return None
+    return ops[1][1] if ops[1][0] == "LOAD_ATTR" and isinstance(ops[1][1], str) else None
 
 
 def _digest(fn: types.FunctionType) -> str:

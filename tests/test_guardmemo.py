@@ -52,11 +52,16 @@ class Config:
     def __init__(self) -> None:
         self.shift = 0.5
         self.other = 0.25
+        self._bias = 0.125
 
     def __getattribute__(self, key: str):
         if key != "attribute_map" and key in super().__getattribute__("attribute_map"):
             key = super().__getattribute__("attribute_map")[key]
         return super().__getattribute__(key)
+
+    @property
+    def bias(self) -> float:  # (a getter that returns an attribute: its read is words too)
+        return self._bias
 
 
 class Gate(torch.nn.Module):
@@ -78,7 +83,7 @@ class Stateful(torch.nn.Module):
         self.table = {"act": "relu"}
 
     def forward(self, x: torch.Tensor, **kwargs):
-        y = self.gate(self.fc(x)) * self.scale * SCALE + self.OFFSET + self.config.offset
+        y = self.gate(self.fc(x)) * self.scale * SCALE + self.OFFSET + self.config.offset + self.config.bias
         y = _activation(y) if self.table["act"] == "relu" else torch.tanh(y)
         y = _closed(_shifted(y))
         if type(self.gate).__name__ != "Gate" or _shifted.__name__ != "_shifted":  # names read
@@ -122,6 +127,7 @@ def test_the_call_torchdynamo_compiles_for_leaves_the_witness():
         assert_same(compiled(x), model(x))
         memo = compiled._dynamo.memo
         assert memo.witness is not None and memo.hits == 0, memo.why
+        assert not memo.witness.calls, "every read of Stateful's forward is words"
         assert_same(compiled(x), model(x))
         assert memo.hits == 1
 
@@ -147,6 +153,8 @@ CHANGES = {
     "custom __getattribute__": lambda m, mp: setattr(m.config, "shift", 1.5),
     "its attribute map": lambda m, mp: mp.setitem(Config.attribute_map, "offset", "other"),
     "its own attribute map": lambda m, mp: setattr(m.config, "attribute_map", {"offset": "other"}),
+    "what a property returns": lambda m, mp: setattr(m.config, "_bias", 0.75),
+    "a property replaced": lambda m, mp: mp.setattr(Config, "bias", property(lambda self: 2.0)),
     "__dict__ replaced": lambda m, mp: setattr(m, "__dict__", {**m.__dict__, "scale": 3.0}),
     "class name": lambda m, mp: setattr(Gate, "__name__", "Other"),  # (monkeypatch would delete it)
     "function name": lambda m, mp: mp.setattr(_shifted, "__name__", "other"),
