@@ -290,9 +290,11 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
                 return code(*args, **kwargs)
             # A hook added to a layer after compiling is eager's to run: TorchDynamo then guards
             # the layers' hook tables (by default it does not, and such a hook was left out)
-            guarded.memo.forget()
-            with dynamo_config.patch(skip_nnmodule_hook_guards=False):
-                out = compiled(*args, **kwargs)
+            try:
+                with dynamo_config.patch(skip_nnmodule_hook_guards=False):
+                    out = compiled(*args, **kwargs)
+            finally:
+                guarded.memo.newest()  # (TorchDynamo may have compiled an entry before the witness's)
         except Exception:
             # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
             # failing where eager works must not break the user (it runs eagerly from then on).
@@ -324,11 +326,11 @@ def _guarded_code(
     What does not change between calls (TorchDynamo's modules, own's closure) is read here once.
 
     A call whose witness holds takes the witness's code without reading TorchDynamo's entries:
-    the witness is made for the newest entry only, and dropped before TorchDynamo compiles
-    another (only `call` compiles `own`). After torch._dynamo.reset() that code stays in use
-    while the witness holds (it is still the code for that state); a change compiles anew."""
+    the witness is made for the newest entry only, and dropped where one is newer after a call
+    TorchDynamo handled (only `call` has it compile `own`). After torch._dynamo.reset() that code
+    stays in use while the witness holds (it is still the code for that state); a change
+    compiles anew."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch._dynamo import config as dynamo_config
     from torch._dynamo import eval_frame
 
     free = dict(zip(own.__code__.co_freevars, (c.cell_contents for c in own.__closure__)))
@@ -345,9 +347,10 @@ def _guarded_code(
         return known[1]
 
     memo = _GuardMemo(own, recorder, free)
+    disabled = _dynamo_disabled()
 
     def code_for(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
-        if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or dynamo_config.disable:
+        if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or disabled():
             return None
         witness = memo.witness if config.guard_memo else None
         try:  # (a witness that cannot be checked holds nothing)
@@ -355,7 +358,7 @@ def _guarded_code(
             holds = state and witness.arguments_hold(args, kwargs)
         except Exception:
             state = holds = False
-        if holds:  # (the witness's entry is the newest: memo.forget drops it before TorchDynamo compiles)
+        if holds:  # (the witness's entry is the newest: memo.newest drops it once one is newer)
             if config.debug:  # (the witness's claim, checked)
                 entries = _debug_get_cache_entry_list(own.__code__)
                 newest = not entries or witness.entry is entries[0].guard_manager  # (none: after a reset)
@@ -382,6 +385,35 @@ def _guarded_code(
     return code_for
 
 
+def _dynamo_disabled() -> Callable[[], bool]:
+    """What `torch._dynamo.config.disable` reads, without ConfigModule.__getattr__ (~39 us a call
+    once the model's work had left its path out of the caches: BERT): the setting's own
+    ContextVar (set by assignment and by config.patch), else its value from the environment or
+    default. Where the setting is made otherwise (an alias, a forced value, a JustKnob), the
+    attribute itself."""
+    from torch._dynamo import config as dynamo_config
+    from torch.utils import _config_module
+
+    def attribute() -> bool:
+        return dynamo_config.disable
+
+    unset = getattr(_config_module, "_UNSET_SENTINEL", None)
+    entry = getattr(dynamo_config, "_config", {}).get("disable")
+    plain = ("alias", "justknob", "env_value_force", "env_value_default", "default", "user_override")
+    if unset is None or entry is None or not all(hasattr(entry, a) for a in plain):
+        return attribute
+    if entry.alias is not None or entry.justknob is not None or entry.env_value_force is not unset:
+        return attribute
+    base = entry.default if entry.env_value_default is unset else entry.env_value_default
+    override = entry.user_override
+
+    def disabled() -> bool:
+        value = override.get()
+        return base if value is unset else value
+
+    return disabled
+
+
 class _GuardMemo:
     """The witness (guardmemo.py) of the newest compiled code's guards, made when they pass:
     the next calls that find it holding skip TorchDynamo's check. Made again where the state
@@ -399,8 +431,16 @@ class _GuardMemo:
         self.hits = 0  # calls that skipped the guards
 
     def forget(self) -> None:
-        """Drop the witness: TorchDynamo is about to compile an entry that goes before its own."""
         self.witness = self.code = None
+
+    def newest(self) -> None:
+        """Keep the witness only while its entry is TorchDynamo's newest (or there is none: after
+        torch._dynamo.reset() its code is still the code for its state)."""
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(self.own.__code__)
+        if self.witness is not None and entries and self.witness.entry is not entries[0].guard_manager:
+            self.forget()
 
     def passed(
         self, entry: Any, code: Callable[..., Any], args: tuple, kwargs: dict, witness: guardmemo.Witness | None

@@ -237,6 +237,10 @@ def test_calls_through_dynamo_run_its_code_where_its_guards_pass():
         with torch.compiler.set_stance("force_eager"):  # the user's stance is TorchDynamo's to apply
             assert _dynamo_frames(call, x) == 1
             assert_same(call(x), model(x))
+        with torch._dynamo.config.patch(disable=True):  # TorchDynamo's switch, read through its ContextVar
+            assert _dynamo_frames(call, x) == 1
+            assert_same(call(x), model(x))
+        assert _dynamo_frames(call, x) == 0
     assert_same(call(x), model(x))  # grad mode on: the parameters need gradients
 
 
