@@ -352,7 +352,7 @@ def _guarded_code(
     def code_for(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
         if torch.compiler.is_compiling() or eval_frame._stance.stance != "default" or disabled():
             return None
-        witness = memo.witness if config.guard_memo else None
+        witness, code = (memo.current if config.guard_memo else None) or (None, None)  # (one read: threads)
         try:  # (a witness that cannot be checked holds nothing)
             state = witness is not None and witness.state_holds()
             holds = state and witness.arguments_hold(args, kwargs)
@@ -365,7 +365,7 @@ def _guarded_code(
                 assert newest, "the guard memo's entry is not the newest"
                 assert witness.entry.check({"args": args, "kwargs": kwargs, **free}), "stale guard memo"
             memo.hits += 1
-            return memo.code
+            return code
         entries = _debug_get_cache_entry_list(own.__code__)
         frame = {"args": args, "kwargs": kwargs, **free}
         for i, entry in enumerate(entries):
@@ -424,22 +424,26 @@ class _GuardMemo:
 
     def __init__(self, own: Callable[..., Any], recorder: guardmemo.Recorder, free: dict) -> None:
         self.own, self.recorder, self.free = own, recorder, free
-        self.witness: guardmemo.Witness | None = None
-        self.code: Callable[..., Any] | None = None  # the witness's entry's code, as a function
+        self.current: tuple[guardmemo.Witness, Callable[..., Any]] | None = None  # and its entry's code
         self.records: dict[int, int] = {}  # by id(guard manager): witnesses made
         self.why: str = ""  # why the last entry has none
         self.hits = 0  # calls that skipped the guards
 
+    @property
+    def witness(self) -> guardmemo.Witness | None:
+        current = self.current
+        return None if current is None else current[0]
+
     def forget(self) -> None:
-        self.witness = self.code = None
+        self.current = None
 
     def newest(self) -> None:
         """Keep the witness only while its entry is TorchDynamo's newest (or there is none: after
         torch._dynamo.reset() its code is still the code for its state)."""
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        entries = _debug_get_cache_entry_list(self.own.__code__)
-        if self.witness is not None and entries and self.witness.entry is not entries[0].guard_manager:
+        witness, entries = self.witness, _debug_get_cache_entry_list(self.own.__code__)
+        if witness is not None and entries and witness.entry is not entries[0].guard_manager:
             self.forget()
 
     def passed(
@@ -455,7 +459,7 @@ class _GuardMemo:
                 self.records[id(entry.guard_manager)] = made + 1
                 witness = guardmemo.record(entry.guard_manager, guards, self.free["fn"], self.own.__globals__)
             witness.arguments = guardmemo.Arguments.of(args, kwargs, witness.tensor_ids)
-            self.witness, self.code = witness, code
+            self.current = (witness, code)
         except Exception as e:  # (guardmemo.Unsupported, or its own failure: the guards run, as before)
             self.forget()
             self.why = str(e)
