@@ -266,7 +266,7 @@ class _Builder:
             except Unsupported:
                 return None
         found = _class_attribute(cls, name)
-        alias = self.alias(found, name)
+        alias = self.alias(found, name) if _class_attribute(cls, "__getattr__") is _MISSING else None
         if alias is not None:  # (its getter reads obj.alias: hasattr is whether that is there)
             self.classes(cls)
             return self.has_attribute(obj, alias)
