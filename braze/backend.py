@@ -294,7 +294,7 @@ def dynamo_fallback(wrapper: CompiledFunction, why: str) -> Callable[..., Any] |
                 with dynamo_config.patch(skip_nnmodule_hook_guards=False):
                     out = compiled(*args, **kwargs)
             finally:
-                guarded.memo.newest()  # (TorchDynamo may have compiled an entry before the witness's)
+                guarded.memo.drop_older()  # (TorchDynamo may have compiled an entry before the witness's)
         except Exception:
             # Eager decides: bad inputs raise eager's error (and TorchDynamo stays); TorchDynamo
             # failing where eager works must not break the user (it runs eagerly from then on).
@@ -358,11 +358,9 @@ def _guarded_code(
             holds = state and witness.arguments_hold(args, kwargs)
         except Exception:
             state = holds = False
-        if holds:  # (the witness's entry is the newest: memo.newest drops it once one is newer)
+        if holds:  # (the witness's entry is the newest: memo.drop_older drops it once one is newer)
             if config.debug:  # (the witness's claim, checked)
-                entries = _debug_get_cache_entry_list(own.__code__)
-                newest = not entries or witness.entry is entries[0].guard_manager  # (none: after a reset)
-                assert newest, "the guard memo's entry is not the newest"
+                assert memo.newest(witness), "the guard memo's entry is not the newest"
                 assert witness.entry.check({"args": args, "kwargs": kwargs, **free}), "stale guard memo"
             memo.hits += 1
             return code
@@ -437,13 +435,18 @@ class _GuardMemo:
     def forget(self) -> None:
         self.current = None
 
-    def newest(self) -> None:
-        """Keep the witness only while its entry is TorchDynamo's newest (or there is none: after
+    def newest(self, witness: guardmemo.Witness) -> bool:
+        """Whether the witness's entry is TorchDynamo's newest (or there is none: after
         torch._dynamo.reset() its code is still the code for its state)."""
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        witness, entries = self.witness, _debug_get_cache_entry_list(self.own.__code__)
-        if witness is not None and entries and witness.entry is not entries[0].guard_manager:
+        entries = _debug_get_cache_entry_list(self.own.__code__)
+        return not entries or witness.entry is entries[0].guard_manager
+
+    def drop_older(self) -> None:
+        """Keep the witness only while its entry is the newest."""
+        witness = self.witness
+        if witness is not None and not self.newest(witness):
             self.forget()
 
     def passed(

@@ -257,14 +257,12 @@ class _Builder:
         cls = type(obj)
         if name.startswith("__"):
             return None
-        if cls.__getattribute__ not in _GENERIC:
-            chain = self.hooks(cls)
-            if chain is None:
-                return None
-            try:
-                name = self.renamed(obj, name, chain)
-            except Unsupported:
-                return None
+        try:
+            name = self.looked_up(obj, name)
+        except Unsupported:
+            return None
+        if name is None:
+            return None
         found = _class_attribute(cls, name)
         alias = self.alias(found, name) if _class_attribute(cls, "__getattr__") is _MISSING else None
         if alias is not None:  # (its getter reads obj.alias: hasattr is whether that is there)
@@ -315,12 +313,15 @@ class _Builder:
         """obj.name, a pointer its C struct holds (_SLOTS: the descriptor of a function's code,
         a class's name...); the word is the pointer as it is (NULL reads None)."""
         value = getattr(obj, name)
-        address = id(obj) + _SLOTS[id(_class_attribute(type(obj), name))]
+        self.pointer(obj, id(obj) + _SLOTS[id(_class_attribute(type(obj), name))], value, f".{name}")
+        return value
+
+    def pointer(self, obj: Any, address: int, value: Any, what: str) -> None:
+        """The word at `address`, in obj, that points to `value` (NULL for None) as it is now."""
         stored = ctypes.c_uint64.from_address(address).value
         if stored != id(value) and not (value is None and stored == 0):
-            raise Unsupported(f"{type(obj).__name__}.{name} not where its samples had it")
+            raise Unsupported(f"a {type(obj).__name__}'s {what} not where its samples had it")
         self.word(obj, address, stored, value)
-        return value
 
     def own_dict(self, obj: Any) -> dict | None:
         """obj's __dict__ (None where it has no plain one), noting its version and the pointer
@@ -331,9 +332,9 @@ class _Builder:
         if type(own) is not dict:
             return None
         address = _dict_pointer(obj)
-        if address is None or ctypes.c_uint64.from_address(address).value != id(own):
-            raise Unsupported(f"a {type(obj).__name__} whose __dict__ is not where its samples had it")
-        self.word(obj, address, id(own), own)
+        if address is None:
+            raise Unsupported(f"a {type(obj).__name__} whose __dict__'s place is not known")
+        self.pointer(obj, address, own, "__dict__")
         self.version(own)
         return own
 
@@ -365,6 +366,14 @@ class _Builder:
             return None
         self.slot(self.slot(found, "fget"), "__code__")
         return other
+
+    def looked_up(self, obj: Any, name: str) -> str | None:
+        """The name obj's lookup passes to object's: `name` where its __getattribute__ is
+        object's, as the hooks of _HOOKS map it where they know it; None where not known."""
+        if type(obj).__getattribute__ in _GENERIC:
+            return name
+        chain = self.hooks(type(obj))
+        return None if chain is None else self.renamed(obj, name, chain)
 
     def renamed(self, obj: Any, name: str, chain: list[Callable[..., str]]) -> str:
         """The name object's lookup reads after the hooks of `chain` (hooks) map it."""
@@ -450,11 +459,9 @@ class _Builder:
                 return obj.__dict__[name]
         if isinstance(obj, type) and cls.__getattribute__ is type.__getattribute__:
             return self.class_attribute(obj, name)
-        if cls.__getattribute__ in _GENERIC:
-            return self.instance_attribute(obj, name)
-        chain = self.hooks(cls)
-        if chain is not None:
-            return self.instance_attribute(obj, self.renamed(obj, name, chain))
+        looked = self.looked_up(obj, name)
+        if looked is not None:
+            return self.instance_attribute(obj, looked)
         return self.asked(obj, name)  # another __getattribute__: read again every call
 
     def asked(self, obj: Any, name: str) -> Any:
