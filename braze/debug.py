@@ -76,7 +76,7 @@ def _gemm_kernel(n: Node) -> str:
 def _placement(prog: Program) -> str:
     native = [n.name for s in prog.segments for n in s.kernels]
     lines = [f"  native: {len(native)} kernel(s) in {len(prog.segments)} LLVM function(s)"]
-    body = "native" if prog.native else "generated Python (it makes ATen calls or returns views or inputs)"
+    body = "native" if prog.native else f"generated Python ({prog.python_body_why})"
     lines.append(f"  entry: native guard; body: {body}")
     for label, why in prog.externs:
         lines.append(f"  ATen:   {label}  ({why})")

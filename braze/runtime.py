@@ -164,8 +164,8 @@ class Program:
         self.segments = _segments(graph)
         self.kernel_count = sum(len(s.kernels) for s in self.segments)
         self.alloc, fresh = _allocations(graph, lowered, self.layout)
-        natively = all(isinstance(c, Call) for c in self.calls.values())
-        self.native = natively and _native_outputs(self, lowered, fresh)
+        self.python_body_why = _python_body_why(self, lowered, fresh)  # ("": the body is native)
+        self.native = not self.python_body_why
         self.externs = [(n.attrs["label"], _why(n, self.native)) for n in graph.nodes if n.op is Op.EXTERN]
         if family is not None and any(isinstance(v[1], Expr) for v in lowered.out_leaves if not isinstance(v, str)):
             raise NotGeneric("it returns a size as a number")
@@ -549,17 +549,41 @@ def _param_layout(p: torch.Tensor) -> tuple:
     return type(p), p.shape, p.stride(), p.dtype, p.device
 
 
-def _native_outputs(prog: Program, lowered: Lowered, fresh: dict[str, str]) -> bool:
-    """Every output is a fresh buffer, or the result of an ATen call the native body makes
-    (returned once, as itself or a view of all of it), returned alone or in a plain tuple."""
+def _python_body_why(prog: Program, lowered: Lowered, fresh: dict[str, str]) -> str:
+    """Why the program's body is generated Python ("" where it is native): an ATen call native
+    code does not make, or an output the native body does not return. It returns fresh
+    buffers and the results of the ATen calls it makes (each once, as itself or a view of all
+    of it), alone or in a plain tuple."""
+    for name, call in prog.calls.items():
+        if not isinstance(call, Call):
+            return f"the ATen call {prog.nodes[name].attrs['label']} stays in Python: {call}"
     spec = lowered.out_spec
-    flat = spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))
-    leaves = lowered.out_leaves
-    returned = [prog.layout.owner[v] for v in leaves if isinstance(v, str) and v not in fresh]
-    if not flat or len(set(returned)) != len(returned) or not all(isinstance(v, str) for v in leaves):
-        return False
+    if not (spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))):
+        return "it returns nested tuples" if spec.type is tuple else f"it returns a {spec.type.__name__}"
     owner, nodes = prog.layout.owner, prog.nodes
-    return all(v in fresh or owner[v] in prog.calls and _all_of(nodes[v].meta, nodes[owner[v]].meta) for v in leaves)
+    returned: set[str] = set()
+    for i, v in enumerate(lowered.out_leaves):
+        if not isinstance(v, str):
+            return f"output {i} is not a tensor it computes ({type(v).__name__})"
+        if v in fresh:
+            continue
+        base = owner[v]
+        if base not in prog.calls:
+            op = nodes[base].op
+            what = (
+                "an input or parameter"
+                if op in (Op.INPUT, Op.PARAM)
+                else "an ATen result kept per sizes"
+                if op is Op.EXTERN
+                else "part of a buffer it computes"
+            )
+            return f"output {i} is {what}, or a view of it"
+        if base in returned:
+            return f"output {i} returns an ATen call's result a second time"
+        if not _all_of(nodes[v].meta, nodes[base].meta):
+            return f"output {i} is a view of part of an ATen call's result"
+        returned.add(base)
+    return ""
 
 
 def _all_of(view: TensorMeta | None, base: TensorMeta | None) -> bool:

@@ -46,24 +46,26 @@ def test_a_matching_call_goes_straight_to_the_native_entry():
 
 
 @pytest.mark.parametrize(
-    "fn,native",
+    "fn,why",
     [
-        (lambda x: (x * 2, x + 1), True),  # a tuple of fresh tensors
-        (lambda x: x.relu().view(-1), True),  # a whole-buffer view is allocated as itself
-        (lambda x: {"y": x * 2}, False),  # other structures: the Python body
-        (lambda x: (x * 2, x), False),  # returns an input
-        (lambda x: torch.sinh(x) * 2, False),  # an ATen call
-        (lambda x: (x * 2)[1:], False),  # part of a buffer
-        (lambda x: torch.roll(x, 1, 0), True),  # what an ATen call of the native body returns
-        (lambda x: (torch.roll(x, 1, 0), x * 2), True),
-        (lambda x: (torch.roll(x, 1, 0),) * 2, False),  # the same result twice
-        (lambda x: torch.roll(x, 1, 0)[1:], False),  # part of one
-        (lambda x: (torch.roll(x, 1, 0).view(-1), x + 1), True),  # all of one, viewed
+        (lambda x: (x * 2, x + 1), ""),  # a tuple of fresh tensors
+        (lambda x: x.relu().view(-1), ""),  # a whole-buffer view is allocated as itself
+        (lambda x: {"y": x * 2}, "it returns a dict"),  # other structures: the Python body
+        (lambda x: ((x * 2, x + 1), x - 1), "it returns nested tuples"),
+        (lambda x: (x * 2, x), "output 1 is an input or parameter, or a view of it"),
+        (lambda x: torch.sinh(x) * 2, "the ATen call torch.sinh stays in Python: native code calls no op"),
+        (lambda x: (x * 2)[1:], "output 0 is part of a buffer it computes, or a view of it"),
+        (lambda x: torch.roll(x, 1, 0), ""),  # what an ATen call of the native body returns
+        (lambda x: (torch.roll(x, 1, 0), x * 2), ""),
+        (lambda x: (torch.roll(x, 1, 0),) * 2, "output 1 returns an ATen call's result a second time"),
+        (lambda x: torch.roll(x, 1, 0)[1:], "output 0 is a view of part of an ATen call's result"),
+        (lambda x: (torch.roll(x, 1, 0).view(-1), x + 1), ""),  # all of one, viewed
     ],
     ids=[
         "tuple",
         "view",
         "dict",
+        "nested",
         "input",
         "extern",
         "slice",
@@ -74,12 +76,15 @@ def test_a_matching_call_goes_straight_to_the_native_entry():
         "aten-view",
     ],
 )
-def test_native_or_python_body(fn, native):
+def test_native_or_python_body(fn, why):
     compiled = braze.compile(fn)
     x = torch.randn(6, 5)
     for _ in range(2):  # the second call takes the entry
         check_model(fn, (x,), compiled=compiled)
-    assert program(compiled).native is native
+    prog = program(compiled)
+    assert prog.native == (not why) and prog.python_body_why.startswith(why)
+    body = "native" if not why else f"generated Python ({why}"
+    assert f"body: {body}" in str(braze.explain(fn, x))  # explain says why
 
 
 def test_a_linear_on_a_3d_input_is_native():

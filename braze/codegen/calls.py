@@ -167,7 +167,7 @@ def plan(n: Node, given: frozenset[str] = frozenset()) -> Call | str:
     are the program's inputs or parameters, or views of them."""
     fn = n.attrs["fn"]
     if fn not in DISPATCHED:
-        return "its op is not called from native code"
+        return "native code calls no op of its kind"
     if fn in GRAD_SENSITIVE and given & set(n.value_inputs()):
         return "a matmul of an input or parameter (ATen's path depends on whether it requires grad)"
     if any(n.attrs.get(a) for a in ("memo", "mutates", "alias_of")):
