@@ -220,6 +220,8 @@ def test_extern_ops_match_eager(name, fn, shape):
     check_model(lambda t: fn(t * 0.5) + 1, (x,))
 
 
+_CONV1D = torch.randn(4, 1, 3)
+
 # Calls braze leaves to ATen that native code makes itself (codegen/calls.py's DISPATCHED rows):
 # the program keeps one native body
 FROM_NATIVE = [
@@ -234,6 +236,13 @@ FROM_NATIVE = [
     ("cumsum (method)", lambda x: x.cumsum(-1)),
     ("mean over a leading dimension", lambda x: x.mean(0)),
     ("mean over dimensions", lambda x: torch.mean(x.t(), dim=(0, 1), keepdim=True)),
+    ("argmax", lambda x: torch.argmax(x, 0) * 1.5),
+    ("argmax (method, of all)", lambda x: x.argmax() + x),
+    ("softmax of a leading dimension", lambda x: torch.softmax(x, 0)),
+    ("softmax (method)", lambda x: (x * 2).softmax(dim=0)),
+    ("conv1d", lambda x: F.conv1d(x.unsqueeze(1), _CONV1D, padding=1)),
+    ("unfold", lambda x: F.unfold(x[None, None], (1, 2), padding=(0, 1))),
+    ("_weight_norm", lambda x: torch._weight_norm(x, x[:, :1] + 2, 0)),
 ]
 
 
