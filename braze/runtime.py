@@ -549,6 +549,14 @@ def _param_layout(p: torch.Tensor) -> tuple:
     return type(p), p.shape, p.stride(), p.dtype, p.device
 
 
+# What an output that is not a buffer of its own is (a view of), where the native body does not return it
+_NOT_RETURNED = {
+    Op.INPUT: "an input or parameter",
+    Op.PARAM: "an input or parameter",
+    Op.EXTERN: "an ATen result kept per sizes",
+}
+
+
 def _python_body_why(prog: Program, lowered: Lowered, fresh: dict[str, str]) -> str:
     """Why the program's body is generated Python ("" where it is native): an ATen call native
     code does not make, or an output the native body does not return. It returns fresh
@@ -569,14 +577,7 @@ def _python_body_why(prog: Program, lowered: Lowered, fresh: dict[str, str]) -> 
             continue
         base = owner[v]
         if base not in prog.calls:
-            op = nodes[base].op
-            what = (
-                "an input or parameter"
-                if op in (Op.INPUT, Op.PARAM)
-                else "an ATen result kept per sizes"
-                if op is Op.EXTERN
-                else "part of a buffer it computes"
-            )
+            what = _NOT_RETURNED.get(nodes[base].op, "part of a buffer it computes")
             return f"output {i} is {what}, or a view of it"
         if base in returned:
             return f"output {i} returns an ATen call's result a second time"

@@ -39,10 +39,10 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.conv2d: ("aten::conv2d", ""),
     torch._weight_norm: ("aten::_weight_norm", ""),  # (nn.utils.weight_norm's parametrization)
     torch.argmax: ("aten::argmax", ""),
+    torch.Tensor.argmax: ("aten::argmax", ""),
     torch.softmax: ("aten::softmax", "int"),  # (where braze's kernel does not take it)
     torch.Tensor.softmax: ("aten::softmax", "int"),
     torch.nn.functional.unfold: ("aten::im2col", ""),  # (its arguments are the op's, in order)
-    torch.Tensor.argmax: ("aten::argmax", ""),
     torch._C._nn.adaptive_avg_pool2d: ("aten::adaptive_avg_pool2d", ""),
     torch._C._nn.avg_pool2d: ("aten::avg_pool2d", ""),  # F.avg_pool2d
     torch.nn.functional.group_norm: ("aten::group_norm", ""),  # its checks: ATen's raise too (then eager's)
