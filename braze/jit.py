@@ -115,6 +115,7 @@ _SHIM = (
     "torch_new_stable_ivalue",
     "torch_new_list_reserve_size",
     "torch_list_push_back",
+    "torch_new_string_handle",
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import warnings
 
 import pytest
@@ -241,6 +242,8 @@ FROM_NATIVE = [
     ("softmax of a leading dimension", lambda x: torch.softmax(x, 0)),
     ("softmax (method)", lambda x: (x * 2).softmax(dim=0)),
     ("conv1d", lambda x: F.conv1d(x.unsqueeze(1), _CONV1D, padding=1)),
+    ("conv1d, padding by name", lambda x: F.conv1d(x.unsqueeze(1), _CONV1D, padding="same")),
+    ("gelu of a strided tensor", lambda x: F.gelu(x[:, 1:], approximate="none")),
     ("unfold", lambda x: F.unfold(x[None, None], (1, 2), padding=(0, 1))),
     ("_weight_norm", lambda x: torch._weight_norm(x, x[:, :1] + 2, 0)),
 ]
@@ -256,6 +259,16 @@ def test_aten_calls_from_native_code_match_eager(name, fn, shape):
     calls = [why for _, why in prog.externs if "made once per sizes" not in why]  # (not torch.ones)
     assert prog.native and all(why.endswith("called from native code") for why in calls)
     assert calls or shape == (1, 1)  # (braze's own mean of one element)
+
+
+def test_a_string_native_code_passes_that_the_op_refuses_raises_eagers_error():
+    x = special(7, 33)
+    for f in (lambda a: F.gelu(a.t(), approximate="erf") * 2, lambda a: F.conv1d(a[:, None], _CONV1D, padding="full")):
+        with pytest.raises(RuntimeError) as eager:
+            f(x)
+        with pytest.raises(RuntimeError, match=re.escape(str(eager.value))), warnings.catch_warnings():
+            warnings.simplefilter("ignore", braze.BrazeWarning)
+            braze.compile(f)(x)
 
 
 def test_indexing_with_integer_tensors_is_called_from_native_code():

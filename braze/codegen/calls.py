@@ -3,12 +3,13 @@ a native body (no generated Python body between its segments, no Python frame pe
 
 Each call goes through ATen's stable C interface, the way a C++ extension calls an op:
 `aoti_torch_call_dispatcher(op, overload, stack)`, a stack of one 8-byte word per argument of the
-op's schema (a tensor handle, an int, a double's bits, a bool; an optional's value behind a heap
-word from `torch_new_stable_ivalue`; None as 0). Tensor arguments are handles made per call over
-the memory the table points at (`aoti_torch_create_tensor_from_blob`, with the layout the
-program was compiled for; the dispatcher consumes them). It is the same op, at the same
-dispatch key, with the same arguments as the Python call would make: the same kernel, the same
-bits.
+op's schema (a tensor handle, an int, a double's bits, a bool, a string's handle from
+`torch_new_string_handle`; an optional's value behind a heap word from `torch_new_stable_ivalue`;
+None as 0; a Scalar is none of these: the dispatcher refuses it, and such a call stays in
+Python). Tensor arguments are handles made per call over the memory the table points at
+(`aoti_torch_create_tensor_from_blob`, with the layout the program was compiled for; the
+dispatcher consumes them). It is the same op, at the same dispatch key, with the same arguments
+as the Python call would make: the same kernel, the same bits.
 
 The result's layout (dtype, sizes, strides) is checked against the one compiled for; on a
 mismatch, or an error the op raised, the run stops, sets the table's `failed` word, and the call
@@ -35,8 +36,9 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch._C._nn.scaled_dot_product_attention: ("aten::scaled_dot_product_attention", ""),
     torch.gather: ("aten::gather", ""),
     torch.Tensor.gather: ("aten::gather", ""),
-    torch.conv1d: ("aten::conv1d", ""),  # (padding given by name: a string, not passed)
+    torch.conv1d: ("aten::conv1d", ""),  # (padding by name: _conv_arguments)
     torch.conv2d: ("aten::conv2d", ""),
+    torch._C._nn.gelu: ("aten::gelu", ""),  # F.gelu (where braze's kernel does not take it)
     torch._weight_norm: ("aten::_weight_norm", ""),  # (nn.utils.weight_norm's parametrization)
     torch.argmax: ("aten::argmax", ""),
     torch.Tensor.argmax: ("aten::argmax", ""),
@@ -126,6 +128,12 @@ def _interpolate_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str
     return row, (x, size, bool(g.get("align_corners") or False), scale), {}
 
 
+def _conv_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted:
+    """conv1d / conv2d with padding "same" or "valid": the op's overload that takes it by name."""
+    padding = args[4] if len(args) > 4 else kwargs.get("padding")
+    return ((row[0], "padding") if isinstance(padding, str) else row), args, kwargs
+
+
 def _as_given(row: Row, args: tuple, kwargs: dict) -> Adapted:
     """A call whose arguments are its op's, one for one."""
     return row, args, kwargs
@@ -137,6 +145,8 @@ ADAPTED = {
     operator.getitem: _index_arguments,
     torch.Tensor.repeat: _repeat_arguments,
     torch.nn.functional.interpolate: _interpolate_arguments,
+    torch.conv1d: _conv_arguments,
+    torch.conv2d: _conv_arguments,
 }
 
 
@@ -152,7 +162,7 @@ class Arg:
     """One word of a call's stack: a tensor (`value` names it), None, or a number (an int may be
     a generic program's size); `boxed`: an optional's value, passed through a heap word."""
 
-    kind: str  # "tensor", "none", "int", "float", "bool", "ints", "floats" (tuples), "tensors" (names or None)
+    kind: str  # "tensor", "none", "int", "float", "bool", "str", "ints", "floats" (tuples), "tensors" (names or None)
     value: Any = None
     boxed: bool = False
 
@@ -225,6 +235,8 @@ def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
         return Arg("float", float(value), optional)
     if inner == "bool" and isinstance(value, bool):
         return Arg("bool", value, optional)
+    if inner == "str" and isinstance(value, str):
+        return Arg("str", value, optional)
     return None
 
 
@@ -248,6 +260,7 @@ class CallEmitter:
         self.from_blob = d("aoti_torch_create_tensor_from_blob", I32, [PTR, I64, PTR, PTR, I64, I32, I32, I32, PTR])
         self.boxed = d("torch_new_stable_ivalue", I32, [PTR])
         self.new_list = d("torch_new_list_reserve_size", I32, [I64, PTR])
+        self.new_string = d("torch_new_string_handle", I32, [PTR, I64, PTR])
         self.push = d("torch_list_push_back", I32, [PTR, I64])
         self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
         self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
@@ -377,6 +390,8 @@ class CallEmitter:
             return self._list(b, [b.bitcast(ll.Constant(ll.DoubleType(), v), I64) for v in a.value], fail)
         if a.kind == "tensors":
             return self._optional_tensors(b, table, a.value, fail)
+        if a.kind == "str":
+            return self._string(b, a.value, fail)
         return self._tensor(b, table, self.mb.slot_of(a.value), fail)
 
     def _list(self, b: ll.IRBuilder, words: list[ll.Value], fail: ll.Block) -> ll.Value:
@@ -388,6 +403,16 @@ class CallEmitter:
         for word in words:
             self._require(b, b.icmp_signed("==", b.call(self.push, [handle, word]), I32(0)), fail)
         return b.ptrtoint(handle, I64)
+
+    def _string(self, b: ll.IRBuilder, text: str, fail: ll.Block) -> ll.Value:
+        """A new string's handle (the dispatcher consumes it)."""
+        data = text.encode()
+        with b.goto_entry_block():
+            out = b.alloca(PTR)
+        chars = self.mb.cstring(f"aten_str_{data.hex()}", text)
+        made = b.call(self.new_string, [chars, I64(len(data)), out])
+        self._require(b, b.icmp_signed("==", made, I32(0)), fail)
+        return b.ptrtoint(b.load(out, typ=PTR), I64)
 
     def _optional_tensors(self, b: ll.IRBuilder, table: ll.Value, names: tuple, fail: ll.Block) -> ll.Value:
         """A new list of optional tensors (the dispatcher consumes it): None as 0, a tensor as a
