@@ -261,7 +261,9 @@ def test_aten_calls_from_native_code_match_eager(name, fn, shape):
     assert calls or shape == (1, 1)  # (braze's own mean of one element)
 
 
-def test_a_string_native_code_passes_that_the_op_refuses_raises_eagers_error():
+def test_a_string_argument_the_op_refuses_raises_eagers_error():
+    """A gelu or conv1d braze would call from native code, given a string the op refuses: the
+    lowering's run of it on the example raises, and the call raises eager's error."""
     x = special(7, 33)
     for f in (lambda a: F.gelu(a.t(), approximate="erf") * 2, lambda a: F.conv1d(a[:, None], _CONV1D, padding="full")):
         with pytest.raises(RuntimeError) as eager:
