@@ -87,6 +87,7 @@ def mlps(draw, among: tuple[str, ...] = tuple(sorted(ACTS))):
     batch = draw(st.sampled_from([(1,), (7,), (33,), (2, 5), (2, 3, 5)]))
     transpose = draw(st.booleans()) and len(batch) <= 2  # a matrix transposed, or a batch permuted
     embed = draw(st.booleans())
+    torch.manual_seed(draw(st.integers(0, 2**31 - 1)))  # (the weights: hypothesis can draw them again)
     return RandomMLP(widths, acts, bias, residual, embed).eval(), batch, transpose
 
 
