@@ -159,8 +159,8 @@ NULL = ll.Constant(PTR, None)
 
 @dataclass(frozen=True)
 class Arg:
-    """One word of a call's stack: a tensor (`value` names it), None, or a number (an int may be
-    a generic program's size); `boxed`: an optional's value, passed through a heap word."""
+    """One word of a call's stack: a tensor (`value` names it), None, a number (an int may be a
+    generic program's size) or a string; `boxed`: an optional's value, through a heap word."""
 
     kind: str  # "tensor", "none", "int", "float", "bool", "str", "ints", "floats" (tuples), "tensors" (names or None)
     value: Any = None
