@@ -508,7 +508,8 @@ _BUILDERS = {
 
 def library(kernel: str) -> int:
     """The kernel's address (jit.kernel: built alone when first needed, on the block kernels,
-    built once for all of them: they are most of the compile time)."""
+    built once for all of them: they are most of the compile time; light: their code is vector
+    code already, and runs as fast without -O2's passes)."""
     blocks = tuple(f"{BLOCKS}_{mr}" for mr in range(1, MR + 1))
     jit.kernel(
         blocks[0],
@@ -516,8 +517,9 @@ def library(kernel: str) -> int:
             block_kernel(module, BLOCKS, mr, True, UNROLL if mr >= MR - 1 else 1) for mr in range(1, MR + 1)
         ],
         blocks,
+        light=True,
     )
-    return jit.kernel(kernel, lambda module: _rows(module, kernel, *_BUILDERS[kernel]))
+    return jit.kernel(kernel, lambda module: _rows(module, kernel, *_BUILDERS[kernel]), light=True)
 
 
 def gemm(

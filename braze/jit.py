@@ -494,6 +494,11 @@ def shim_constant(name: str) -> int:
 
 
 _kernels: dict[str, int] = {}
+# The passes of `kernel(light=True)`: folding what the builder wrote (instcombine) and merging
+# blocks. Kernels whose loops are vector code already and run as fast so take it (the GEMM's
+# blocks: 5 ms of passes where -O2's took 50, machine code in 47 ms rather than 50); the others
+# lose 1.03-2.3x without -O2's hoisting (docs/limits.md, *Library kernels' build time*).
+LIGHT = ("instruction_combine", "simplify_cfg")
 _kernel_lock = threading.Lock()
 
 
@@ -510,17 +515,19 @@ def realigned(module: ll.Module) -> ll.Module:
     return module
 
 
-def kernel(name: str, write: Callable[[ll.Module], Any], exported: tuple[str, ...] = ()) -> int:
+def kernel(name: str, write: Callable[[ll.Module], Any], exported: tuple[str, ...] = (), light: bool = False) -> int:
     """The address of kernel `name`, which write(module) defines: compiled alone (so a model
     compiles only the kernels it uses) once per process, when a probe or program first needs it
-    (a lock: two threads' first calls must not load it twice), at -O2, and callable by name from
-    modules compiled later (as are the `exported` functions it defines beside it)."""
+    (a lock: two threads' first calls must not load it twice), at -O2 (`light`: LIGHT's passes
+    alone), and callable by name from modules compiled later (as are the `exported` functions it
+    defines beside it)."""
     with _kernel_lock:
         if name not in _kernels:
             module = ll.Module(name)
             write(module)
             names = list(dict.fromkeys([name, *exported]))
-            compiled = compile_module(str(realigned(module)), names, opt_level=2, want_text=False, keep=True)
+            text = str(realigned(module))
+            compiled = compile_module(text, names, opt_level=2, want_text=False, keep=True, light=light)
             define_symbols(compiled.addresses)
             _kernels[name] = compiled.addresses[name]
         return _kernels[name]
@@ -586,6 +593,7 @@ def compile_module(
     want_text: bool,
     only: Collection[str] | None = None,
     keep: bool = False,
+    light: bool = False,
 ) -> Compiled:
     """Parse, verify, optimise and JIT-load `ir_text`; return the addresses of `names`. With
     `keep`, its object code is kept on disk (kernelcache.py), and taken from there when another
@@ -603,7 +611,8 @@ def compile_module(
     with _lock:
         engine, tm = _engine()
         t0 = time.perf_counter()
-        name = kernelcache.key(ir_text, opt_level, tm) if keep and config.kernel_cache and not want_text else ""
+        level = "light" if light else opt_level
+        name = kernelcache.key(ir_text, level, tm) if keep and config.kernel_cache and not want_text else ""
         found = kernelcache.load(name) if name else None
         mod = llvm.parse_assembly(ir_text)
         mod.triple = tm.triple
@@ -616,7 +625,9 @@ def compile_module(
                 if not fn.is_declaration and fn.name not in optimised:
                     fn.add_function_attribute("noinline")  # (optnone requires it)
                     fn.add_function_attribute("optnone")
-        if opt_level and found is None:
+        if light and found is None:
+            _light_passes(mod, tm)
+        elif opt_level and found is None:
             pto = llvm.create_pipeline_tuning_options(speed_level=opt_level)
             # Unrolling and interleaving quadruple compile time for loops that are memory-bound.
             pto.loop_unrolling = False
@@ -645,6 +656,14 @@ def compile_module(
     ms = lambda a, b: (b - a) * 1e3  # noqa: E731
     timings = [("llvm.parse", ms(t0, t1)), ("llvm.optimize", ms(t1, t2)), ("llvm.machine_code", ms(t2, t3))]
     return Compiled(addresses, ir_text if want_text else "", optimized, asm, timings)
+
+
+def _light_passes(mod: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
+    """LIGHT: what a kernel written as vector code needs of LLVM's optimiser."""
+    pm = llvm.create_new_module_pass_manager()
+    for name in LIGHT:
+        getattr(pm, f"add_{name}_pass")()
+    pm.run(mod, llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=2)))
 
 
 _perf_symbols: dict[int, str] = {}  # every JIT function loaded so far, by address (perf_map)

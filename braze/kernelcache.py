@@ -33,7 +33,7 @@ FORMAT = b"braze-kernel-1\n"
 taken = 0  # objects this process took from disk (tests read it)
 
 
-def key(ir_text: str, opt_level: int, tm: llvm.TargetMachine) -> str:
+def key(ir_text: str, opt_level: int | str, tm: llvm.TargetMachine) -> str:
     """What the object code of `ir_text` compiled at `opt_level` for this machine follows from."""
     machine = (
         llvmlite.__version__,

@@ -152,8 +152,9 @@ def _entry(module: ll.Module, fn: str) -> None:
 
 
 def library(kernel: str) -> int:
-    """The address of kernel `kernel` (name(fn); jit.kernel: built alone when first needed)."""
-    return jit.kernel(kernel, lambda module: _entry(module, kernel.removeprefix(name(""))))
+    """The address of kernel `kernel` (name(fn); jit.kernel: built alone when first needed; light:
+    as fast without -O2's passes)."""
+    return jit.kernel(kernel, lambda module: _entry(module, kernel.removeprefix(name(""))), light=True)
 
 
 def run(fn: str, x: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,40 @@ def test_loops_keep_their_counters_and_pointers_in_registers():
     assert loops and not any(re.search(r"\(%rsp\)", body) for body in loops), loops
 
 
+# A loop whose bound is read from memory each step and whose body adds 0: -O2 hoists the read
+# out of the loop (LICM) and drops the addition; `light` (jit.LIGHT) only folds it away.
+_LOOP = """
+define void @f(ptr noalias %p, ptr noalias %n) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%next, %loop]
+  %at = getelementptr float, ptr %p, i64 %i
+  %v = load float, ptr %at
+  %w = fadd float %v, 1.0
+  store float %w, ptr %at
+  %zero = add i64 %i, 0
+  %next = add i64 %zero, 1
+  %count = load i64, ptr %n
+  %more = icmp slt i64 %next, %count
+  br i1 %more, label %loop, label %done
+done:
+  ret void
+}
+"""
+
+
+@pytest.mark.parametrize("light", [False, True])
+def test_light_kernels_get_only_the_light_passes(light):
+    from braze import jit
+
+    ir = jit.compile_module(_LOOP, ["f"], opt_level=2, want_text=True, light=light).optimized_ir
+    body = ir[ir.index("define") :]
+    assert "add i64 %i, 0" not in body  # folded by both
+    in_loop = re.search(r"\nloop\S*:.*?br i1", body, re.S).group(0)
+    assert ("load i64" in in_loop) == light  # hoisted by -O2 alone
+
+
 def test_gemm_calls_mkl_with_atens_arguments():
     w, b = torch.randn(10, 64), torch.randn(10)
     with config.patch(one_thread_gemm_flops=0):

@@ -65,6 +65,7 @@ def test_nothing_is_kept_without_a_directory(tmp_path, monkeypatch):
 
 def test_the_key_follows_the_code_and_its_optimisation():
     tm = jit.target_machine()
-    keys = {kernelcache.key(ir, level, tm) for ir in ("define void @f() {ret void}", "; other") for level in (1, 2)}
-    assert len(keys) == 4
+    code = ("define void @f() {ret void}", "; other")
+    keys = {kernelcache.key(ir, level, tm) for ir in code for level in (1, 2, "light")}
+    assert len(keys) == 6
     assert kernelcache.key("; other", 2, tm) == kernelcache.key("; other", 2, tm)

@@ -148,7 +148,8 @@ def run_elementwise(name: str, element: Element, x: torch.Tensor, wide: bool = F
             start = end
         b.ret_void()
 
-    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(jit.kernel(name, write))
+    address = jit.kernel(name, write, light=True)  # (probes' and tests' code: its speed matters little)
+    kernel = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(address)
     y = torch.empty_like(x)
     kernel(x.data_ptr(), y.data_ptr(), x.numel())
     return y
