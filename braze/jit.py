@@ -116,6 +116,9 @@ _SHIM = (
     "torch_new_list_reserve_size",
     "torch_list_push_back",
     "torch_new_string_handle",
+    "aoti_torch_scalar_to_tensor_bool",  # (a number where an op takes a tensor)
+    "aoti_torch_scalar_to_tensor_int64",
+    "aoti_torch_scalar_to_tensor_float64",
 )
 
 

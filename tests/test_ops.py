@@ -246,6 +246,11 @@ FROM_NATIVE = [
     ("gelu of a strided tensor", lambda x: F.gelu(x[:, 1:], approximate="none")),
     ("unfold", lambda x: F.unfold(x[None, None], (1, 2), padding=(0, 1))),
     ("_weight_norm", lambda x: torch._weight_norm(x, x[:, :1] + 2, 0)),
+    ("div with a rounding mode", lambda x: torch.div(x, 2, rounding_mode="floor")),
+    ("div (method), a float divisor", lambda x: x.div(2.5, rounding_mode="trunc")),
+    ("pow of a number", lambda x: 10000.0 ** (x / 64)),
+    ("pow of an int (torch.pow)", lambda x: torch.pow(3, x)),
+    ("pow of a bool", lambda x: torch.pow(False, x)),
 ]
 
 
@@ -259,6 +264,16 @@ def test_aten_calls_from_native_code_match_eager(name, fn, shape):
     calls = [why for _, why in prog.externs if "made once per sizes" not in why]  # (not torch.ones)
     assert prog.native and all(why.endswith("called from native code") for why in calls)
     assert calls or shape == (1, 1)  # (braze's own mean of one element)
+
+
+def test_a_number_of_a_higher_kind_than_the_tensor_stays_in_python():
+    """An int64 tensor divided by 2.5: Python passes 2.5 as a wrapped number, whose result is
+    float32; as a plain float64 tensor it would be float64. So the call stays in Python."""
+    model = lambda t: torch.div((t > 0).long() * 3, 2.5, rounding_mode="floor") + t  # noqa: E731
+    with torch.no_grad():
+        compiled = check_model(model, (special(7, 33),))
+    (prog,) = compiled.programs()
+    assert not prog.native and "a tensor or a number of its kind" in prog.python_body_why
 
 
 def test_a_string_argument_the_op_refuses_raises_eagers_error():

@@ -6,9 +6,10 @@ Each call goes through ATen's stable C interface, the way a C++ extension calls 
 op's schema (a tensor handle, an int, a double's bits, a bool, a string's handle from
 `torch_new_string_handle`; an optional's value behind a heap word from `torch_new_stable_ivalue`;
 None as 0; a Scalar is none of these: the dispatcher refuses it, and such a call stays in
-Python). Tensor arguments are handles made per call over the memory the table points at
-(`aoti_torch_create_tensor_from_blob`, with the layout the program was compiled for; the
-dispatcher consumes them). It is the same op, at the same dispatch key, with the same arguments
+Python; a Python number where Python's binding passes it as a tensor (div's divisor, pow's
+base) goes as a 0-dim tensor: `_number`). Tensor arguments are handles made per call over the
+memory the table points at (`aoti_torch_create_tensor_from_blob`, with the layout the program
+was compiled for; the dispatcher consumes them). It is the same op, at the same dispatch key, with the same arguments
 as the Python call would make: the same kernel, the same bits.
 
 The result's layout (dtype, sizes, strides) is checked against the one compiled for; on a
@@ -61,6 +62,11 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.adaptive_avg_pool1d: ("aten::adaptive_avg_pool1d", ""),
     operator.getitem: ("aten::index", "Tensor"),  # see _index_arguments
     torch.nn.functional.interpolate: ("aten::upsample_bilinear2d", "vec"),  # or nearest: _interpolate_arguments
+    torch.div: ("aten::div", "Tensor"),  # (or "Tensor_mode": _div_arguments)
+    torch.Tensor.div: ("aten::div", "Tensor"),
+    torch.pow: ("aten::pow", "Tensor_Tensor"),  # (of a tensor or a number by a tensor: _pow_arguments)
+    torch.Tensor.pow: ("aten::pow", "Tensor_Tensor"),
+    operator.pow: ("aten::pow", "Tensor_Tensor"),
     torch.matmul: ("aten::matmul", ""),  # of computed values only: see GRAD_SENSITIVE
     operator.matmul: ("aten::matmul", ""),
     torch.Tensor.matmul: ("aten::matmul", ""),
@@ -134,6 +140,43 @@ def _conv_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted:
     return ((row[0], "padding") if isinstance(padding, str) else row), args, kwargs
 
 
+def _div_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str:
+    """div(x, y) or div(x, y, rounding_mode=...): the overload Python's binding calls, a number y
+    passed as a tensor (_number)."""
+    given = dict(zip(("self", "other"), args)) | kwargs
+    x, y, mode = given.pop("self", None), given.pop("other", None), given.pop("rounding_mode", ...)
+    if given or not (_tensor(x) and (_tensor(y) or _number(y, x.meta.dtype))):
+        return "a division whose operands are not a tensor and a tensor or a number of its kind"
+    return ((row[0], "Tensor_mode"), (x, y), {"rounding_mode": mode}) if mode is not ... else (row, (x, y), {})
+
+
+def _pow_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str:
+    """x ** y of a tensor y: pow(x, y) of two tensors; of a number x, the op Python's binding
+    calls (pow.Scalar) is pow of the number as a tensor by y, but for x = 1 (then it fills with
+    1). A number exponent is another op, pow.Tensor_Scalar (its own cases for 2, 0.5, ...)."""
+    given = dict(zip(("self", "exponent"), args)) | kwargs
+    x, y = given.pop("self", None), given.pop("exponent", None)
+    if given or not _tensor(y):
+        return "a power by other than a tensor"
+    if not (_tensor(x) or (_number(x, y.meta.dtype) and x != 1)):
+        return "a power of other than a tensor or a number of its exponent's kind (not 1)"
+    return row, (x, y), {}
+
+
+def _number(value: Any, dtype: torch.dtype) -> bool:
+    """Whether a Python number can stand where div takes a tensor, as a 0-dim tensor of its kind
+    (int64, float64, bool: Arg "number"). Python's binding passes a "wrapped number", which
+    takes no part in the result's dtype; a plain 0-dim tensor does only where its kind is above
+    the other operand's (an int64 tensor divided by 2.5: float32 wrapped, float64 plain), so
+    only a number no higher in kind than `dtype` stands for itself. The values are the same:
+    the op reads either in the result's dtype."""
+    if type(value) not in (bool, int, float):
+        return False
+    kinds = (bool, int, float)
+    kind = 0 if dtype == torch.bool else 2 if dtype.is_floating_point else 1 if not dtype.is_complex else 3
+    return kinds.index(type(value)) <= kind
+
+
 def _as_given(row: Row, args: tuple, kwargs: dict) -> Adapted:
     """A call whose arguments are its op's, one for one."""
     return row, args, kwargs
@@ -147,6 +190,11 @@ ADAPTED = {
     torch.nn.functional.interpolate: _interpolate_arguments,
     torch.conv1d: _conv_arguments,
     torch.conv2d: _conv_arguments,
+    torch.div: _div_arguments,
+    torch.Tensor.div: _div_arguments,
+    torch.pow: _pow_arguments,
+    torch.Tensor.pow: _pow_arguments,
+    operator.pow: _pow_arguments,
 }
 
 
@@ -162,7 +210,9 @@ class Arg:
     """One word of a call's stack: a tensor (`value` names it), None, a number (an int may be a
     generic program's size) or a string; `boxed`: an optional's value, through a heap word."""
 
-    kind: str  # "tensor", "none", "int", "float", "bool", "str", "ints", "floats" (tuples), "tensors" (names or None)
+    # "tensor", "none", "int", "float", "bool", "str", "ints", "floats" (tuples), "tensors" (names
+    # or None), "number" (a Python number where the op takes a tensor: _number)
+    kind: str
     value: Any = None
     boxed: bool = False
 
@@ -229,6 +279,8 @@ def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
         return Arg("none") if optional else None
     if inner == "Tensor" and _tensor(value):
         return Arg("tensor", value.name, optional)
+    if inner == "Tensor" and type(value) in (bool, int, float):  # (its adapter checked _number)
+        return Arg("number", value, optional)
     if inner in ("int", "SymInt") and isinstance(value, (int, Expr)) and not isinstance(value, bool):
         return Arg("int", value, optional)
     if inner == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -265,6 +317,12 @@ class CallEmitter:
         self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
         self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
         self.empty = d("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
+        # a number's 0-dim tensor, by its Python type
+        self.numbers = {
+            bool: d("aoti_torch_scalar_to_tensor_bool", I32, [ll.IntType(8), PTR]),  # (C's bool: a byte)
+            int: d("aoti_torch_scalar_to_tensor_int64", I32, [I64, PTR]),
+            float: d("aoti_torch_scalar_to_tensor_float64", I32, [ll.DoubleType(), PTR]),
+        }
 
     def run(self, steps: list[Step], handles: list[int], failed: int) -> str:
         fn = ll.Function(self.mb.module, ll.FunctionType(VOID, [PTR]), f"{self.mb.prefix}_run")
@@ -392,6 +450,8 @@ class CallEmitter:
             return self._optional_tensors(b, table, a.value, fail)
         if a.kind == "str":
             return self._string(b, a.value, fail)
+        if a.kind == "number":
+            return self._number(b, a.value, fail)
         return self._tensor(b, table, self.mb.slot_of(a.value), fail)
 
     def _list(self, b: ll.IRBuilder, words: list[ll.Value], fail: ll.Block) -> ll.Value:
@@ -411,6 +471,16 @@ class CallEmitter:
             out = b.alloca(PTR)
         chars = self.mb.cstring(f"aten_str_{data.hex()}", text)
         made = b.call(self.new_string, [chars, I64(len(data)), out])
+        self._require(b, b.icmp_signed("==", made, I32(0)), fail)
+        return b.ptrtoint(b.load(out, typ=PTR), I64)
+
+    def _number(self, b: ll.IRBuilder, value: bool | int | float, fail: ll.Block) -> ll.Value:
+        """A new 0-dim tensor's handle holding a number (the dispatcher consumes it)."""
+        with b.goto_entry_block():
+            out = b.alloca(PTR)
+        kind = {bool: ll.IntType(8), int: I64, float: ll.DoubleType()}[type(value)]
+        word = kind(int(value) if type(value) is bool else value)
+        made = b.call(self.numbers[type(value)], [word, out])
         self._require(b, b.icmp_signed("==", made, I32(0)), fail)
         return b.ptrtoint(b.load(out, typ=PTR), I64)
 
