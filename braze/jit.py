@@ -119,6 +119,7 @@ _SHIM = (
     "aoti_torch_scalar_to_tensor_bool",  # (a number where an op takes a tensor)
     "aoti_torch_scalar_to_tensor_int64",
     "aoti_torch_scalar_to_tensor_float64",
+    "aoti_torch_cpu_baddbmm_out",  # (codegen/calls.py: SHIMS)
 )
 
 

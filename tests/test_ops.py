@@ -251,6 +251,8 @@ FROM_NATIVE = [
     ("pow of a number", lambda x: 10000.0 ** (x / 64)),
     ("pow of an int (torch.pow)", lambda x: torch.pow(3, x)),
     ("pow of a bool", lambda x: torch.pow(False, x)),
+    ("baddbmm (Scalars: the C shim)", lambda x: torch.baddbmm(x[None], x[None, :, :1], x[None, :1], beta=0.5, alpha=2)),
+    ("baddbmm (method, an int beta)", lambda x: x[None].baddbmm(x[None, :, :2], x[None, :2], beta=2, alpha=0.3)),
 ]
 
 

@@ -5,11 +5,12 @@ Each call goes through ATen's stable C interface, the way a C++ extension calls 
 `aoti_torch_call_dispatcher(op, overload, stack)`, a stack of one 8-byte word per argument of the
 op's schema (a tensor handle, an int, a double's bits, a bool, a string's handle from
 `torch_new_string_handle`; an optional's value behind a heap word from `torch_new_stable_ivalue`;
-None as 0; a Scalar is none of these: the dispatcher refuses it, and such a call stays in
-Python; a Python number where Python's binding passes it as a tensor (div's divisor, pow's
-base) goes as a 0-dim tensor: `_number`). Tensor arguments are handles made per call over the
-memory the table points at (`aoti_torch_create_tensor_from_blob`, with the layout the program
-was compiled for; the dispatcher consumes them). It is the same op, at the same dispatch key, with the same arguments
+None as 0; a Python number where Python's binding passes it as a tensor, div's divisor and
+pow's base, as a 0-dim tensor: `_number`). A Scalar is none of these: the dispatcher refuses it,
+and such a call goes through the C shim's function for the op where SHIMS names one, else stays
+in Python. Tensor arguments are handles made per call over the memory the table points at
+(`aoti_torch_create_tensor_from_blob`, with the layout the program was compiled for; the
+dispatcher consumes them). It is the same op, at the same dispatch key, with the same arguments
 as the Python call would make: the same kernel, the same bits.
 
 The result's layout (dtype, sizes, strides) is checked against the one compiled for; on a
@@ -67,10 +68,18 @@ DISPATCHED: dict[Any, tuple[str, str]] = {
     torch.pow: ("aten::pow", "Tensor_Tensor"),  # (of a tensor or a number by a tensor: _pow_arguments)
     torch.Tensor.pow: ("aten::pow", "Tensor_Tensor"),
     operator.pow: ("aten::pow", "Tensor_Tensor"),
+    torch.baddbmm: ("aten::baddbmm", ""),  # (its Scalars: through SHIMS)
+    torch.Tensor.baddbmm: ("aten::baddbmm", ""),
     torch.matmul: ("aten::matmul", ""),  # of computed values only: see GRAD_SENSITIVE
     operator.matmul: ("aten::matmul", ""),
     torch.Tensor.matmul: ("aten::matmul", ""),
 }
+
+# Ops with Scalar arguments (which the dispatcher refuses) called through the C shim's function for
+# their out= form: the result made first (as compiled), then the schema's arguments in order, each
+# Scalar as a double (an int's value too: the kernels read it in the result's dtype). The shim
+# runs the CPU kernel the dispatcher would (at::cpu::), without the dispatch.
+SHIMS = {"aten::baddbmm": "aoti_torch_cpu_baddbmm_out"}
 
 # Ops whose path in ATen depends on whether an operand requires grad: matmul folds a batch into
 # one mm where one does (a parameter, even under no_grad), and sums in another order otherwise.
@@ -222,6 +231,7 @@ class Call:
     op: str
     overload: str
     args: tuple[Arg, ...]
+    shim: str = ""  # the C shim's function that runs it (SHIMS), else the dispatcher
 
     def tensors(self) -> list[str]:
         return [a.value for a in self.args if a.kind == "tensor"] + [
@@ -251,15 +261,18 @@ def plan(n: Node, given: frozenset[str] = frozenset()) -> Call | str:
         return "its arguments do not fit the op's schema"
     given.update(keywords)
     args = []
+    shim = SHIMS.get(op, "")
     for a in schema.arguments:
         value = given.pop(a.name) if a.name in given else a.default_value if a.has_default_value() else ...
         arg = _arg(str(a.type), value, a.N or 1)
-        if arg is None:
+        if shim and str(a.type) == "number" and type(value) in (int, float):  # (a Scalar)
+            arg = Arg("float", float(value))
+        if arg is None or (shim and arg.kind not in ("tensor", "float")):
             return f"argument {a.name} ({a.type}) is not one native code passes"
         args.append(arg)
     if given:
         return "its arguments do not fit the op's schema"
-    return Call(op, overload, tuple(args))
+    return Call(op, overload, tuple(args), shim)
 
 
 def _arg(schema_type: str, value: Any, n: int) -> Arg | None:
@@ -363,6 +376,9 @@ class CallEmitter:
 
     def _call(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
         kernel = n.attrs.get("exact_per_call")
+        if call.shim:
+            self._shim(b, table, n, call, handle, fail)
+            return
         if kernel is None:
             self._dispatch(b, table, n, call, handle, fail)
             return
@@ -391,12 +407,9 @@ class CallEmitter:
         ok = b.and_(b.and_(big(MIN_BLOCK), blocks), b.icmp_signed(">=", keys, I64(KEYS[0])))
         return b.and_(ok, b.icmp_signed("<=", keys, I64(KEYS[1])))
 
-    def _exact_attention(
-        self, b: ll.IRBuilder, table: ll.Value, n: Node, given: dict, handle: int, kernel: dict, fail: ll.Block
-    ) -> None:
-        """braze's kernel in place of ATen's call (`given`: its arguments by name): its result
-        made as ATen lays it out (the layout compiled for), the handle in the call's word, as the
-        call's would be."""
+    def _result(self, b: ll.IRBuilder, table: ll.Value, n: Node, handle: int, fail: ll.Block) -> ll.Value:
+        """A new tensor laid out as node n's result (the layout compiled for), its handle in the
+        call's word and its data in n's slot, as the call's result would be."""
         m = n.meta
         sizes, strides = self._shape(b, table, m.shape), self._shape(b, table, m.stride)
         with b.goto_entry_block():
@@ -406,8 +419,35 @@ class CallEmitter:
         self._require(b, b.icmp_signed("==", err, I32(0)), fail)
         result = b.load(out, typ=PTR)
         b.store(result, self._word(b, table, handle))
+        b.call(self.data_ptr, [result, self._word(b, table, self.mb.slot_of(n.name).slot)])
+        return result
+
+    def _shim(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
+        """The call through its C shim function (SHIMS): into a result made first, the tensor
+        arguments as handles it does not consume (deleted after it returns)."""
+        result = self._result(b, table, n, handle, fail)
+        words, types, made = [result], [PTR], []
+        for a in call.args:
+            if a.kind == "float":
+                words.append(ll.Constant(ll.DoubleType(), a.value))
+                types.append(ll.DoubleType())
+            else:
+                made.append(b.inttoptr(self._tensor(b, table, self.mb.slot_of(a.value), fail), PTR))
+                words.append(made[-1])
+                types.append(PTR)
+        err = b.call(self.mb.declare(call.shim, I32, types), words)
+        for h in made:
+            b.call(self.delete, [h])
+        self._require(b, b.icmp_signed("==", err, I32(0)), fail)
+
+    def _exact_attention(
+        self, b: ll.IRBuilder, table: ll.Value, n: Node, given: dict, handle: int, kernel: dict, fail: ll.Block
+    ) -> None:
+        """braze's kernel in place of ATen's call (`given`: its arguments by name): its result
+        made as ATen lays it out (the layout compiled for), the handle in the call's word, as the
+        call's would be."""
+        self._result(b, table, n, handle, fail)
         slot = self.mb.slot_of(n.name)
-        b.call(self.data_ptr, [result, self._word(b, table, slot.slot)])
         operands = [self.mb.slot_of(given[a].name) for a in ("query", "key", "value")] + [slot]
         mask = self.mb.slot_of(given["attn_mask"].name) if kernel["mask"] else None
         self.mb.attention(b, table, operands, mask, {"exact": True, **kernel})
