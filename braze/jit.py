@@ -610,7 +610,8 @@ def compile_module(
     register allocator is the optimising one: the fast allocator of -O0 kept each loop's
     counter and pointers on the stack, a store and a load every step (with them in registers,
     one process each, interleaved: bert-tiny 1.05x, tv-efficientnet 1.04x, MobileNet-V3-small
-    1.03x as fast; the lesson MLP's first call ~12.5 -> ~16.5 ms).
+    1.03x as fast; the lesson MLP's first call ~12.5 -> ~16.5 ms). `light`: LIGHT's passes in
+    place of the level's pipeline (kernel).
     """
     with _lock:
         engine, tm = _engine()

@@ -173,11 +173,11 @@ def _pow_arguments(row: Row, args: tuple, kwargs: dict) -> Adapted | str:
 
 
 def _number(value: Any, dtype: torch.dtype) -> bool:
-    """Whether a Python number can stand where div takes a tensor, as a 0-dim tensor of its kind
-    (int64, float64, bool: Arg "number"). Python's binding passes a "wrapped number", which
-    takes no part in the result's dtype; a plain 0-dim tensor does only where its kind is above
-    the other operand's (an int64 tensor divided by 2.5: float32 wrapped, float64 plain), so
-    only a number no higher in kind than `dtype` stands for itself. The values are the same:
+    """Whether a Python number can stand where div or pow takes a tensor, as a 0-dim tensor of
+    its kind (int64, float64, bool: Arg "number"). Python's binding passes a "wrapped number",
+    which takes no part in the result's dtype; a plain 0-dim tensor does only where its kind is
+    above the other operand's (an int64 tensor divided by 2.5: float32 wrapped, float64 plain),
+    so only a number no higher in kind than `dtype` stands for itself. The values are the same:
     the op reads either in the result's dtype."""
     if type(value) not in (bool, int, float):
         return False
