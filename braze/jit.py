@@ -501,7 +501,7 @@ _kernels: dict[str, int] = {}
 # The passes of `kernel(light=True)`: folding what the builder wrote (instcombine) and merging
 # blocks. Kernels whose loops are vector code already and run as fast so take it (the GEMM's
 # blocks: 5 ms of passes where -O2's took 50, machine code in 47 ms rather than 50); the others
-# lose 1.03-2.3x without -O2's hoisting (docs/limits.md, *Library kernels' build time*).
+# lose 1.03-2.3x without -O2's hoisting (docs/limits.md, *Light passes*).
 LIGHT = ("instruction_combine", "simplify_cfg")
 _kernel_lock = threading.Lock()
 
