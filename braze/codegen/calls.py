@@ -264,9 +264,8 @@ def plan(n: Node, given: frozenset[str] = frozenset()) -> Call | str:
     shim = SHIMS.get(op, "")
     for a in schema.arguments:
         value = given.pop(a.name) if a.name in given else a.default_value if a.has_default_value() else ...
-        arg = _arg(str(a.type), value, a.N or 1)
-        if shim and str(a.type) == "number" and type(value) in (int, float):  # (a Scalar)
-            arg = Arg("float", float(value))
+        scalar = shim and str(a.type) == "number" and type(value) in (int, float)  # (a Scalar)
+        arg = Arg("float", float(value)) if scalar else _arg(str(a.type), value, a.N or 1)
         if arg is None or (shim and arg.kind not in ("tensor", "float")):
             return f"argument {a.name} ({a.type}) is not one native code passes"
         args.append(arg)
@@ -330,11 +329,12 @@ class CallEmitter:
         self.delete = d("aoti_torch_delete_tensor_object", I32, [PTR])
         self.data_ptr = d("aoti_torch_get_data_ptr", I32, [PTR, PTR])
         self.empty = d("aoti_torch_empty_strided", I32, [I64, PTR, PTR, I32, I32, I32, PTR])
-        # a number's 0-dim tensor, by its Python type
+        # a number's 0-dim tensor, by its Python type: (its word's type, the function making it)
+        byte, double = ll.IntType(8), ll.DoubleType()  # (C's bool: a byte)
         self.numbers = {
-            bool: d("aoti_torch_scalar_to_tensor_bool", I32, [ll.IntType(8), PTR]),  # (C's bool: a byte)
-            int: d("aoti_torch_scalar_to_tensor_int64", I32, [I64, PTR]),
-            float: d("aoti_torch_scalar_to_tensor_float64", I32, [ll.DoubleType(), PTR]),
+            bool: (byte, d("aoti_torch_scalar_to_tensor_bool", I32, [byte, PTR])),
+            int: (I64, d("aoti_torch_scalar_to_tensor_int64", I32, [I64, PTR])),
+            float: (double, d("aoti_torch_scalar_to_tensor_float64", I32, [double, PTR])),
         }
 
     def run(self, steps: list[Step], handles: list[int], failed: int) -> str:
@@ -412,15 +412,32 @@ class CallEmitter:
         call's word and its data in n's slot, as the call's result would be."""
         m = n.meta
         sizes, strides = self._shape(b, table, m.shape), self._shape(b, table, m.stride)
-        with b.goto_entry_block():
-            out = b.alloca(PTR)
         dtype, cpu = I32(self.dtype_code(m.dtype)), I32(self.cpu)
-        err = b.call(self.empty, [I64(len(m.shape)), sizes, strides, dtype, cpu, I32(0), out])
-        self._require(b, b.icmp_signed("==", err, I32(0)), fail)
-        result = b.load(out, typ=PTR)
+        result = self._made(b, self.empty, [I64(len(m.shape)), sizes, strides, dtype, cpu, I32(0)], fail)
+        self._keep(b, table, n, result, handle)
+        return result
+
+    def _keep(self, b: ll.IRBuilder, table: ll.Value, n: Node, result: ll.Value, handle: int) -> None:
+        """Node n's result: its handle in the call's word, its data in n's slot."""
         b.store(result, self._word(b, table, handle))
         b.call(self.data_ptr, [result, self._word(b, table, self.mb.slot_of(n.name).slot)])
-        return result
+
+    def _made(self, b: ll.IRBuilder, fn: ll.Function, args: list[ll.Value], fail: ll.Block) -> ll.Value:
+        """What fn(*args, &out) makes (it returns 0 where it made it), as a pointer."""
+        with b.goto_entry_block():
+            out = b.alloca(PTR)
+        self._ok(b, b.call(fn, [*args, out]), fail)
+        return b.load(out, typ=PTR)
+
+    def _ok(self, b: ll.IRBuilder, code: ll.Value, fail: ll.Block) -> None:
+        """On to `fail` unless a shim function's return code is 0."""
+        self._require(b, b.icmp_signed("==", code, I32(0)), fail)
+
+    def _boxed(self, b: ll.IRBuilder, word: ll.Value, fail: ll.Block) -> ll.Value:
+        """A new heap word holding `word` (an optional's value), as a stack word."""
+        box = self._made(b, self.boxed, [], fail)
+        b.store(word, box)
+        return b.ptrtoint(box, I64)
 
     def _shim(self, b: ll.IRBuilder, table: ll.Value, n: Node, call: Call, handle: int, fail: ll.Block) -> None:
         """The call through its C shim function (SHIMS): into a result made first, the tensor
@@ -435,10 +452,10 @@ class CallEmitter:
                 made.append(b.inttoptr(self._tensor(b, table, self.mb.slot_of(a.value), fail), PTR))
                 words.append(made[-1])
                 types.append(PTR)
-        err = b.call(self.mb.declare(call.shim, I32, types), words)
+        code = b.call(self.mb.declare(call.shim, I32, types), words)
         for h in made:
             b.call(self.delete, [h])
-        self._require(b, b.icmp_signed("==", err, I32(0)), fail)
+        self._ok(b, code, fail)
 
     def _exact_attention(
         self, b: ll.IRBuilder, table: ll.Value, n: Node, given: dict, handle: int, kernel: dict, fail: ll.Block
@@ -457,21 +474,14 @@ class CallEmitter:
             stack = b.alloca(I64, size=I64(max(len(call.args), 1)))
         for i, a in enumerate(call.args):
             value = self._value(b, table, a, fail)
-            if a.boxed:
-                with b.goto_entry_block():
-                    box = b.alloca(PTR)
-                self._require(b, b.icmp_signed("==", b.call(self.boxed, [box]), I32(0)), fail)
-                b.store(value, b.load(box, typ=PTR))
-                value = b.ptrtoint(b.load(box, typ=PTR), I64)
+            value = self._boxed(b, value, fail) if a.boxed else value
             b.store(value, b.gep(stack, [I64(i)], source_etype=I64))
         op = self.mb.cstring(f"aten_op_{call.op}", call.op)
         overload = self.mb.cstring(f"aten_ov_{call.op}", call.overload)
-        self._require(b, b.icmp_signed("==", b.call(self.dispatch, [op, overload, stack]), I32(0)), fail)
+        self._ok(b, b.call(self.dispatch, [op, overload, stack]), fail)
         result = b.inttoptr(b.load(stack, typ=I64), PTR)
-        b.store(result, self._word(b, table, handle))
+        self._keep(b, table, n, result, handle)
         self._check(b, table, result, n.meta, fail)
-        slot = self.mb.slot_of(n.name).slot
-        b.call(self.data_ptr, [result, self._word(b, table, slot)])
 
     def _value(self, b: ll.IRBuilder, table: ll.Value, a: Arg, fail: ll.Block) -> ll.Value:
         if a.kind == "none":
@@ -496,49 +506,32 @@ class CallEmitter:
 
     def _list(self, b: ll.IRBuilder, words: list[ll.Value], fail: ll.Block) -> ll.Value:
         """A new list of ints or doubles, given as stack words (the dispatcher consumes it)."""
-        with b.goto_entry_block():
-            out = b.alloca(PTR)
-        self._require(b, b.icmp_signed("==", b.call(self.new_list, [I64(len(words)), out]), I32(0)), fail)
-        handle = b.load(out, typ=PTR)
+        handle = self._made(b, self.new_list, [I64(len(words))], fail)
         for word in words:
-            self._require(b, b.icmp_signed("==", b.call(self.push, [handle, word]), I32(0)), fail)
+            self._ok(b, b.call(self.push, [handle, word]), fail)
         return b.ptrtoint(handle, I64)
 
     def _string(self, b: ll.IRBuilder, text: str, fail: ll.Block) -> ll.Value:
         """A new string's handle (the dispatcher consumes it)."""
         data = text.encode()
-        with b.goto_entry_block():
-            out = b.alloca(PTR)
         chars = self.mb.cstring(f"aten_str_{data.hex()}", text)
-        made = b.call(self.new_string, [chars, I64(len(data)), out])
-        self._require(b, b.icmp_signed("==", made, I32(0)), fail)
-        return b.ptrtoint(b.load(out, typ=PTR), I64)
+        return b.ptrtoint(self._made(b, self.new_string, [chars, I64(len(data))], fail), I64)
 
     def _number(self, b: ll.IRBuilder, value: bool | int | float, fail: ll.Block) -> ll.Value:
         """A new 0-dim tensor's handle holding a number (the dispatcher consumes it)."""
-        with b.goto_entry_block():
-            out = b.alloca(PTR)
-        kind = {bool: ll.IntType(8), int: I64, float: ll.DoubleType()}[type(value)]
-        word = kind(int(value) if type(value) is bool else value)
-        made = b.call(self.numbers[type(value)], [word, out])
-        self._require(b, b.icmp_signed("==", made, I32(0)), fail)
-        return b.ptrtoint(b.load(out, typ=PTR), I64)
+        kind, make = self.numbers[type(value)]
+        word = kind(int(value) if type(value) is bool else value)  # (llvmlite prints a bool as i1's)
+        return b.ptrtoint(self._made(b, make, [word], fail), I64)
 
     def _optional_tensors(self, b: ll.IRBuilder, table: ll.Value, names: tuple, fail: ll.Block) -> ll.Value:
         """A new list of optional tensors (the dispatcher consumes it): None as 0, a tensor as a
         heap word holding its new handle."""
-        with b.goto_entry_block():
-            out, box = b.alloca(PTR), b.alloca(PTR)
-        self._require(b, b.icmp_signed("==", b.call(self.new_list, [I64(len(names)), out]), I32(0)), fail)
-        handle = b.load(out, typ=PTR)
+        handle = self._made(b, self.new_list, [I64(len(names))], fail)
         for name in names:
             word = I64(0)
             if name is not None:
-                tensor = self._tensor(b, table, self.mb.slot_of(name), fail)
-                self._require(b, b.icmp_signed("==", b.call(self.boxed, [box]), I32(0)), fail)
-                b.store(tensor, b.load(box, typ=PTR))
-                word = b.ptrtoint(b.load(box, typ=PTR), I64)
-            self._require(b, b.icmp_signed("==", b.call(self.push, [handle, word]), I32(0)), fail)
+                word = self._boxed(b, self._tensor(b, table, self.mb.slot_of(name), fail), fail)
+            self._ok(b, b.call(self.push, [handle, word]), fail)
         return b.ptrtoint(handle, I64)
 
     def _shape(self, b: ll.IRBuilder, table: ll.Value, values: tuple[Dim, ...]) -> ll.Value:
@@ -555,12 +548,9 @@ class CallEmitter:
         offset = b.mul(self.mb.dim(b, table, m.offset), I64(m.dtype.itemsize))
         data = b.gep(base, [offset], source_etype=ll.IntType(8))
         sizes, strides = self._shape(b, table, m.shape), self._shape(b, table, m.stride)
-        with b.goto_entry_block():
-            out = b.alloca(PTR)
         dtype, cpu = I32(self.dtype_code(m.dtype)), I32(self.cpu)
-        err = b.call(self.from_blob, [data, I64(len(m.shape)), sizes, strides, I64(0), dtype, cpu, I32(0), out])
-        self._require(b, b.icmp_signed("==", err, I32(0)), fail)
-        return b.ptrtoint(b.load(out, typ=PTR), I64)
+        args = [data, I64(len(m.shape)), sizes, strides, I64(0), dtype, cpu, I32(0)]
+        return b.ptrtoint(self._made(b, self.from_blob, args, fail), I64)
 
     def _check(self, b: ll.IRBuilder, table: ll.Value, h: ll.Value, meta: TensorMeta, fail: ll.Block) -> None:
         """The result is laid out as compiled: dtype, dimensions, sizes and strides."""
